@@ -1,0 +1,1 @@
+"""The Shoal daemon: CLI, config, identity, hardware, services, training."""

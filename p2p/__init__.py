@@ -1,0 +1,1 @@
+"""Shoal networking: the only package that imports libp2p."""

@@ -1,0 +1,108 @@
+"""The interface the rest of Shoal uses for the network; implemented by p2p.host (libp2p) and p2p.fake.
+
+Nothing here imports libp2p. Peer ids and addresses are plain strings at this boundary.
+Errors are the ones from protocol.errors: PeerUnreachable, StreamClosed, TransferTimeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol
+
+import trio
+
+
+class Stream(Protocol):
+    """One bidirectional byte stream to a peer (a yamux stream over Noise on the libp2p host).
+
+    read() returns b"" once the peer has half-closed; a reset or dead connection raises
+    StreamClosed. write() raises StreamClosed if the stream is gone. None of these take a
+    timeout: callers wrap them in trio.fail_after / move_on_after.
+    """
+
+    remote_peer: str
+    protocol: str
+
+    async def read(self, max_bytes: int) -> bytes: ...
+    async def write(self, data: bytes | bytearray | memoryview) -> None: ...
+    async def close_write(self) -> None: ...
+    async def close(self) -> None: ...
+    async def reset(self) -> None: ...
+
+
+StreamHandler = Callable[[Stream], Awaitable[None]]
+"""Serves one inbound stream. Any exception it raises is contained and counted by the host."""
+
+
+@dataclass(frozen=True, slots=True)
+class GossipMessage:
+    topic: str
+    data: bytes
+    forwarder: str
+    """The peer that handed us this copy (the one to penalize for junk)."""
+    origin: str
+    """The peer that published it (authenticated by gossipsub's strict signing)."""
+
+
+GossipValidator = Callable[[GossipMessage], bool]
+"""Decides whether a message is accepted and relayed. Must be cheap; an exception counts as False."""
+
+
+@dataclass(kw_only=True)
+class HostConfig:
+    listen_addrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    mdns: bool = False
+    dial_timeout_s: float = 10.0
+    stream_open_timeout_s: float = 10.0
+    gossip_heartbeat_s: float = 1.0
+    gossip_degree: int = 6
+    max_gossip_bytes: int = 256 * 1024
+    subscription_buffer: int = 1024
+    max_connections: int = 200
+
+
+@dataclass(kw_only=True)
+class HostStatistics:
+    connected_peers: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_sent_by_peer: dict[str, int] = field(default_factory=dict)
+    bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
+    gossip_published: int = 0
+    gossip_received: int = 0
+    gossip_rejected: int = 0
+    gossip_dropped_queue_full: int = 0
+    handler_errors: int = 0
+    streams_opened: int = 0
+    streams_accepted: int = 0
+
+
+class Host(Protocol):
+    """A running swarm member. Obtain one with p2p.host.open_host or p2p.fake.FakeNetwork.open_host."""
+
+    peer_id: str
+
+    def listen_addrs(self) -> list[str]:
+        """Full multiaddrs including /p2p/<peer id>, ready to hand to others."""
+
+    async def connect(self, addr: str) -> str:
+        """Dial a /.../p2p/<id> multiaddr (bounded by dial_timeout_s); returns the peer id."""
+
+    async def disconnect(self, peer_id: str) -> None: ...
+
+    def connected_peers(self) -> list[str]: ...
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None: ...
+
+    async def open_stream(self, peer_id: str, protocol: str) -> Stream:
+        """Open a stream (bounded by stream_open_timeout_s); PeerUnreachable on failure."""
+
+    def subscribe(self, topic: str, validator: GossipValidator | None = None) -> trio.MemoryReceiveChannel[GossipMessage]:
+        """Subscribe once per topic; messages that pass the validator arrive on the channel."""
+
+    async def publish(self, topic: str, data: bytes) -> None: ...
+
+    def discovered(self) -> trio.MemoryReceiveChannel[str]:
+        """Multiaddrs of peers found by mDNS (empty when mDNS is off); the node decides whom to dial."""
+
+    def statistics(self) -> HostStatistics: ...
