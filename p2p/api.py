@@ -15,9 +15,14 @@ import trio
 class Stream(Protocol):
     """One bidirectional byte stream to a peer (a yamux stream over Noise on the libp2p host).
 
-    read() returns b"" once the peer has half-closed; a reset or dead connection raises
-    StreamClosed. write() raises StreamClosed if the stream is gone. None of these take a
+    read() returns 1..max_bytes bytes, or b"" once the peer has half-closed; a reset or dead
+    connection raises StreamClosed. write() raises StreamClosed if the stream is gone and blocks
+    while the peer's receive window is full. close_write() sends EOF and keeps the read side open;
+    close() ends our side for good; reset() aborts both directions. None of these take a
     timeout: callers wrap them in trio.fail_after / move_on_after.
+
+    Data the peer has not read yet is lost when the connection goes down (yamux): a sender must
+    wait for an application-level ack before it disconnects or shuts its host down.
     """
 
     remote_peer: str
@@ -86,21 +91,41 @@ class Host(Protocol):
         """Full multiaddrs including /p2p/<peer id>, ready to hand to others."""
 
     async def connect(self, addr: str) -> str:
-        """Dial a /.../p2p/<id> multiaddr (bounded by dial_timeout_s); returns the peer id."""
+        """Dial a /.../p2p/<id> multiaddr (bounded by dial_timeout_s); returns the peer id.
 
-    async def disconnect(self, peer_id: str) -> None: ...
+        PeerUnreachable when the dial fails or times out; ValueError for a malformed address.
+        """
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close the connection; its streams end with StreamClosed and unread data is lost."""
 
     def connected_peers(self) -> list[str]: ...
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None: ...
 
     async def open_stream(self, peer_id: str, protocol: str) -> Stream:
-        """Open a stream (bounded by stream_open_timeout_s); PeerUnreachable on failure."""
+        """Open a stream (bounded by stream_open_timeout_s); PeerUnreachable on failure.
+
+        That includes a peer that does not serve ``protocol``: the open fails, the connection stays.
+        """
 
     def subscribe(self, topic: str, validator: GossipValidator | None = None) -> trio.MemoryReceiveChannel[GossipMessage]:
-        """Subscribe once per topic; messages that pass the validator arrive on the channel."""
+        """Subscribe once per topic; messages from others that pass the validator arrive on the channel.
 
-    async def publish(self, topic: str, data: bytes) -> None: ...
+        The channel holds subscription_buffer messages; more are dropped and counted in
+        statistics().gossip_dropped_queue_full. Our own publishes are not echoed back.
+        """
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        """Best-effort broadcast. Our own validator for the topic applies (a rejected message vanishes)."""
+
+    async def wait_for_topic_peer(self, topic: str, peer_id: str) -> None:
+        """Return once a publish on ``topic`` from this host reaches ``peer_id`` directly.
+
+        GossipSub sends nothing to peers it has not yet learned are subscribed (or, when we are
+        subscribed ourselves, that are not in our mesh), so a publish right after connect is lost.
+        Waits without bound: callers wrap it in trio.fail_after.
+        """
 
     def discovered(self) -> trio.MemoryReceiveChannel[str]:
         """Multiaddrs of peers found by mDNS (empty when mDNS is off); the node decides whom to dial."""

@@ -1,0 +1,388 @@
+"""The libp2p Host: TCP + Noise + Yamux + GossipSub behind p2p.api, hardened against py-libp2p 0.8.1's pitfalls."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.discovery.events.peerDiscovery import peerDiscovery
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.config import ConnectionConfig
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID as MESHSUB_10, PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.pubsub import Pubsub, get_peer_and_seqno_msg_id
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID, Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, StreamHandler
+from protocol.errors import PeerUnreachable, StreamClosed
+from protocol.keys import Keypair
+
+logger = logging.getLogger(__name__)
+
+# Importing libp2p detaches its logger; warnings such as dropped pubsub messages must stay visible.
+logging.getLogger("libp2p").propagate = True
+logging.getLogger("libp2p").setLevel(logging.WARNING)
+
+CLEANUP_S = 5.0
+"""Upper bound for shielded cleanup (stream reset, host close, service shutdown)."""
+
+GOSSIP_RPC_OVERHEAD_BYTES = 64 * 1024
+"""Room for the signature, key, topic and protobuf framing around one gossip payload."""
+
+MAX_PENDING_FORWARDERS = 4096
+"""Validated messages whose forwarder we remember until the subscription consumer picks them up."""
+
+# Errors a libp2p stream raises once its stream or connection is gone (EOF is handled separately).
+_STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class _Stream:
+    """A libp2p stream seen through p2p.api.Stream: EOF is b"", failures are StreamClosed, bytes are counted."""
+
+    __slots__ = ("_raw", "_stats", "remote_peer", "protocol")
+
+    def __init__(self, raw: Any, remote_peer: str, protocol: str, stats: HostStatistics):
+        self._raw = raw
+        self._stats = stats
+        self.remote_peer = remote_peer
+        self.protocol = protocol
+
+    async def read(self, max_bytes: int) -> bytes:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, not {max_bytes}")
+        try:
+            data = await self._raw.read(max_bytes)
+        except StreamEOF:
+            return b""
+        except _STREAM_ERRORS as exc:
+            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
+        self._stats.bytes_received += len(data)
+        by_peer = self._stats.bytes_received_by_peer
+        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(data)
+        return data
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        # Noise encrypts through APIs that want bytes; the copy is small next to the encryption cost.
+        payload = data if isinstance(data, bytes) else bytes(data)
+        try:
+            await self._raw.write(payload)
+        except _STREAM_ERRORS as exc:
+            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
+        self._stats.bytes_sent += len(payload)
+        by_peer = self._stats.bytes_sent_by_peer
+        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(payload)
+
+    async def close_write(self) -> None:
+        try:
+            await self._raw.close_write()
+        except _STREAM_ERRORS as exc:
+            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
+
+    async def close(self) -> None:
+        try:
+            await self._raw.close()
+        except _STREAM_ERRORS as exc:
+            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
+
+    async def reset(self) -> None:
+        try:
+            await self._raw.reset()
+        except _STREAM_ERRORS:
+            pass  # a reset of a dead stream has nothing left to do
+
+
+def _to_id(peer_id: str) -> ID:
+    try:
+        return ID.from_base58(peer_id)
+    except Exception as exc:  # base58 and multihash raise assorted ValueErrors
+        raise ValueError(f"{peer_id!r} is not a peer id: {exc}") from None
+
+
+class Libp2pHost:
+    """p2p.api.Host over a running libp2p host; create it with open_host()."""
+
+    def __init__(self, keypair: Keypair, config: HostConfig, raw_host: Any, pubsub: Pubsub,
+                 nursery: trio.Nursery):
+        self.peer_id = keypair.peer_id
+        self._config = config
+        self._host = raw_host
+        self._pubsub = pubsub
+        self._nursery = nursery
+        self._stats = HostStatistics()
+        self._joined: dict[str, trio.Event] = {}
+        self._forwarders: OrderedDict[bytes, str] = OrderedDict()
+        self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
+
+    def listen_addrs(self) -> list[str]:
+        return [str(addr) for addr in self._host.get_addrs()]
+
+    async def connect(self, addr: str) -> str:
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as exc:  # multiaddr parsing raises several unrelated kinds
+            raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id>: {exc}") from None
+        peer_id = str(info.peer_id)
+        if peer_id == self.peer_id:
+            raise ValueError(f"{addr!r} is this host's own address")
+        timeout_s = self._config.dial_timeout_s
+        try:
+            with trio.fail_after(timeout_s):
+                await self._host.connect(info)
+        except trio.TooSlowError:
+            raise PeerUnreachable(f"dialing {addr} timed out after {timeout_s} s") from None
+        except Exception as exc:  # the one place dial failures (swarm, transport, handshake) are mapped
+            raise PeerUnreachable(f"dialing {addr} failed: {exc!r}") from exc
+        return peer_id
+
+    async def disconnect(self, peer_id: str) -> None:
+        try:
+            await self._host.disconnect(_to_id(peer_id))
+        except _STREAM_ERRORS as exc:
+            logger.debug("disconnect from %s: %r", peer_id, exc)
+
+    def connected_peers(self) -> list[str]:
+        return [str(pid) for pid in self._host.get_connected_peers()]
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        async def serve(raw: Any) -> None:
+            # An exception escaping here would tear down the whole libp2p host (notes §3.5).
+            remote = str(raw.muxed_conn.peer_id)
+            stream = _Stream(raw, remote, protocol, self._stats)
+            self._stats.streams_accepted += 1
+            try:
+                await handler(stream)
+            except Exception:
+                self._stats.handler_errors += 1
+                logger.warning("handler for %s from %s failed", protocol, remote, exc_info=True)
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await stream.reset()
+                return
+            with trio.move_on_after(CLEANUP_S, shield=True):
+                try:
+                    await raw.close()
+                except _STREAM_ERRORS:
+                    pass  # the peer may already have reset it
+
+        self._host.set_stream_handler(TProtocol(protocol), serve)
+
+    async def open_stream(self, peer_id: str, protocol: str) -> _Stream:
+        pid = _to_id(peer_id)
+        timeout_s = self._config.stream_open_timeout_s
+        try:
+            with trio.fail_after(timeout_s):
+                raw = await self._host.new_stream(pid, [TProtocol(protocol)])
+        except trio.TooSlowError:
+            raise PeerUnreachable(f"opening {protocol} to {peer_id} timed out after {timeout_s} s") from None
+        except Exception as exc:  # StreamFailure (protocol refused), dial and swarm errors
+            raise PeerUnreachable(f"opening {protocol} to {peer_id} failed: {exc!r}") from exc
+        self._stats.streams_opened += 1
+        return _Stream(raw, peer_id, protocol, self._stats)
+
+    def subscribe(self, topic: str, validator: GossipValidator | None = None) -> trio.MemoryReceiveChannel[GossipMessage]:
+        if topic in self._joined:
+            raise ValueError(f"already subscribed to {topic!r}; subscribe once per topic")
+        self._joined[topic] = trio.Event()
+        send, receive = trio.open_memory_channel[GossipMessage](self._config.subscription_buffer)
+        # Installed even without a user validator: it is the only place that sees the forwarder.
+        self._pubsub.set_topic_validator(topic, self._wrap_validator(topic, validator), is_async_validator=False)
+        self._nursery.start_soon(self._run_subscription, topic, send)
+        return receive
+
+    def _wrap_validator(self, topic: str, validator: GossipValidator | None):
+        def validate(forwarder: ID, msg: Any) -> bool:
+            # An exception escaping a validator tears down pubsub and the host (notes §3.5).
+            try:
+                if len(msg.data) > self._config.max_gossip_bytes:
+                    accepted = False
+                else:
+                    gossip = GossipMessage(topic=topic, data=bytes(msg.data), forwarder=str(forwarder),
+                                           origin=str(ID(msg.from_id)))
+                    accepted = validator is None or bool(validator(gossip))
+                if accepted:
+                    self._remember_forwarder(get_peer_and_seqno_msg_id(msg), str(forwarder))
+            except Exception:
+                logger.warning("validator for %s raised; message rejected", topic, exc_info=True)
+                accepted = False
+            if not accepted:
+                self._stats.gossip_rejected += 1
+            return accepted
+
+        return validate
+
+    def _remember_forwarder(self, msg_id: bytes, forwarder: str) -> None:
+        self._forwarders[msg_id] = forwarder
+        while len(self._forwarders) > MAX_PENDING_FORWARDERS:
+            self._forwarders.popitem(last=False)
+
+    async def _run_subscription(self, topic: str, send: trio.MemorySendChannel[GossipMessage]) -> None:
+        """Drain libp2p's 32-deep queue at once into our bounded channel, dropping (and counting) on overflow."""
+        async with send:
+            subscription = await self._pubsub.subscribe(topic)
+            self._joined[topic].set()
+            while True:
+                try:
+                    msg = await subscription.get()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    return
+                try:
+                    self._deliver(topic, msg, send)
+                except Exception:  # the supervision point of this consumer: one bad message must not stop it
+                    logger.warning("dropping a malformed message on %s", topic, exc_info=True)
+
+    def _deliver(self, topic: str, msg: Any, send: trio.MemorySendChannel[GossipMessage]) -> None:
+        origin = str(ID(msg.from_id))
+        msg_id = get_peer_and_seqno_msg_id(msg)
+        forwarder = self._forwarders.pop(msg_id, origin)
+        if origin == self.peer_id:
+            return
+        try:
+            send.send_nowait(GossipMessage(topic=topic, data=bytes(msg.data), forwarder=forwarder, origin=origin))
+        except (trio.WouldBlock, trio.BrokenResourceError):
+            self._stats.gossip_dropped_queue_full += 1
+            return
+        self._stats.gossip_received += 1
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        if len(data) > self._config.max_gossip_bytes:
+            raise ValueError(f"gossip payload of {len(data)} bytes exceeds max_gossip_bytes={self._config.max_gossip_bytes}")
+        await self._pubsub.publish(topic, bytes(data))
+        self._stats.gossip_published += 1
+
+    async def wait_for_topic_peer(self, topic: str, peer_id: str) -> None:
+        pid = _to_id(peer_id)
+        joined = self._joined.get(topic)
+        if joined is not None:
+            # Subscribed topics send only to mesh peers; the mesh exists once our join ran.
+            await joined.wait()
+            await self._pubsub.wait_for_mesh(pid, topic, timeout=math.inf)
+        else:
+            await self._pubsub.wait_for_subscription(pid, topic, timeout=math.inf)
+
+    def discovered(self) -> trio.MemoryReceiveChannel[str]:
+        return self._discovered_receive
+
+    def _on_peer_discovered(self, info: PeerInfo) -> list[str]:
+        """Runs on the trio thread: queue the peer's dialable addresses, never ours."""
+        if str(info.peer_id) == self.peer_id:
+            return []
+        suffix = f"/p2p/{info.peer_id}"
+        addrs = [str(a) if str(a).endswith(suffix) else str(a) + suffix for a in info.addrs]
+        for addr in addrs:
+            try:
+                self._discovered_send.send_nowait(addr)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the node is not draining discovery; the peer will be announced again
+        return addrs
+
+    def statistics(self) -> HostStatistics:
+        s = self._stats
+        return HostStatistics(
+            connected_peers=len(self._host.get_connected_peers()),
+            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
+            bytes_sent_by_peer=dict(s.bytes_sent_by_peer), bytes_received_by_peer=dict(s.bytes_received_by_peer),
+            gossip_published=s.gossip_published, gossip_received=s.gossip_received,
+            gossip_rejected=s.gossip_rejected, gossip_dropped_queue_full=s.gossip_dropped_queue_full,
+            handler_errors=s.handler_errors, streams_opened=s.streams_opened, streams_accepted=s.streams_accepted,
+        )
+
+
+async def _no_auto_dial() -> None:
+    return None
+
+
+def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub, Pubsub]:
+    key_pair = ed25519_key_pair(keypair.seed)
+    raw_host = new_host(
+        key_pair=key_pair,
+        # Only Noise and Yamux: the defaults also accept plaintext (no key proof), secio and mplex.
+        sec_opt={NOISE_ID: NoiseTransport(key_pair, noise_privkey=x25519_key_pair().private_key)},
+        muxer_opt={TProtocol(YAMUX_ID): Yamux},
+        # One connection per peer also removes the 250 ms happy-eyeballs wait on every dial.
+        connection_config=ConnectionConfig(
+            max_connections_per_peer=1, max_connections=config.max_connections,
+            high_watermark=config.max_connections, low_watermark=0, min_connections=0,
+            dial_timeout=config.dial_timeout_s,
+        ),
+        enable_mDNS=config.mdns,
+    )
+    # libp2p's auto-connector redials any peer in the peerstore (identify, mDNS, past peers) whenever
+    # the count is below a watermark; the node alone decides whom to dial, so it never runs.
+    raw_host.get_network().auto_connector.maybe_connect = _no_auto_dial
+    degree = config.gossip_degree
+    gossipsub = GossipSub(
+        protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, MESHSUB_10],
+        degree=degree, degree_low=max(1, degree - 2), degree_high=2 * degree,
+        heartbeat_interval=config.gossip_heartbeat_s,  # type: ignore[arg-type]  # a float sleeps fine
+        adaptive_gossip_enabled=False, spam_protection_enabled=False, eclipse_protection_enabled=False,
+    )
+    max_rpc_bytes = max(1 << 20, 2 * config.max_gossip_bytes + GOSSIP_RPC_OVERHEAD_BYTES)
+    pubsub = Pubsub(raw_host, gossipsub, strict_signing=True, max_inbound_rpc_size=max_rpc_bytes)
+    return raw_host, gossipsub, pubsub
+
+
+@asynccontextmanager
+async def open_host(keypair: Keypair, config: HostConfig | None = None) -> AsyncIterator[Libp2pHost]:
+    """Run a libp2p host until the block exits; connections to peers are closed on the way out."""
+    config = config or HostConfig()
+    listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
+    raw_host, gossipsub, pubsub = _build_libp2p(keypair, config)
+    stack = AsyncExitStack()
+    on_discovered = None
+    nursery = None
+    try:
+        await stack.enter_async_context(raw_host.run(listen))
+        await stack.enter_async_context(background_trio_service(pubsub))
+        await stack.enter_async_context(background_trio_service(gossipsub))
+        await pubsub.wait_until_ready()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        host = Libp2pHost(keypair, config, raw_host, pubsub, nursery)
+        if config.mdns:
+            on_discovered = _thread_forwarder(host, trio.lowlevel.current_trio_token())
+            peerDiscovery.register_peer_discovered_handler(on_discovered)
+        yield host
+    finally:
+        if on_discovered is not None:
+            peerDiscovery.unregister_peer_discovered_handler(on_discovered)
+        await _shutdown(raw_host, stack, nursery)
+
+
+def _thread_forwarder(host: Libp2pHost, token: trio.lowlevel.TrioToken):
+    """The mDNS callback: zeroconf calls it on its own threads, and the registry is shared by every host."""
+
+    def on_discovered(info: PeerInfo) -> None:
+        try:
+            token.run_sync_soon(host._on_peer_discovered, info)
+        except trio.RunFinishedError:
+            pass  # the trio run that owned this host is gone
+
+    return on_discovered
+
+
+async def _shutdown(raw_host: Any, stack: AsyncExitStack, nursery: trio.Nursery | None) -> None:
+    """Close the host before pubsub stops, or in-flight RPCs hit a closed nursery (notes §3.4, §4 item 8)."""
+    if nursery is not None:
+        nursery.cancel_scope.cancel()  # our subscription consumers would otherwise keep the nursery open
+    with trio.move_on_after(CLEANUP_S, shield=True) as scope:
+        try:
+            await raw_host.close()
+        except Exception:
+            logger.debug("error while closing the libp2p host", exc_info=True)
+        try:
+            await stack.aclose()  # exits in reverse: our nursery, gossipsub, pubsub, host.run
+        except* Exception as group:  # teardown noise from libp2p's services; nothing is running any more
+            logger.debug("libp2p shutdown noise: %r", group)
+    if scope.cancelled_caught:
+        logger.warning("libp2p host shutdown exceeded %s s; abandoned", CLEANUP_S)
