@@ -1,0 +1,1 @@
+"""Command-line tools and test harnesses kept apart from the library."""
