@@ -1,0 +1,1 @@
+"""Training side of Shoal: corpus, model, inner loop, DiLoCo outer step, compression, trainer process."""

@@ -1,0 +1,188 @@
+"""DiLoCo's outer side: named tensors, pseudo-gradients, weighted mean, outer Nesterov, hashing, files.
+
+Every function here that feeds θ_{r+1} is elementwise float32 on CPU with operands in a fixed
+order and scalars cast to float32 tensors first, and avoids fused multiply-add kernels
+(alpha=, addcmul, lerp) whose rounding depends on the CPU: so every honest node that starts
+from the same θ_r, state and aggregated update computes the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+import os
+import pathlib
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from node.train.compress import tensor_bytes
+
+Named = dict[str, torch.Tensor]
+
+
+def named_tensors(source: nn.Module | Named) -> Named:
+    """Parameters by name, sorted, as detached contiguous float32 CPU copies."""
+    items = source.named_parameters() if isinstance(source, nn.Module) else source.items()
+    return {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in sorted(items)}
+
+
+def flatten(named: Named) -> tuple[torch.Tensor, list[tuple[str, tuple[int, ...]]]]:
+    """One flat float32 vector in sorted-name order, plus the layout to undo it."""
+    layout = [(name, tuple(named[name].shape)) for name in sorted(named)]
+    if not layout:
+        return torch.zeros(0, dtype=torch.float32), layout
+    return torch.cat([named[name].reshape(-1).to(torch.float32) for name, _ in layout]), layout
+
+
+def unflatten(flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]]) -> Named:
+    total = sum(math.prod(shape) for _, shape in layout)
+    if flat.dim() != 1 or flat.numel() != total:
+        raise ValueError(f"flat vector of {flat.numel()} values does not fit a layout of {total}")
+    out, start = {}, 0
+    for name, shape in layout:
+        n = math.prod(shape)
+        out[name] = flat[start : start + n].view(shape).clone()
+        start += n
+    return out
+
+
+def _check_same_layout(a: Named, b: Named, what: str) -> None:
+    if a.keys() != b.keys():
+        raise ValueError(f"{what}: names differ: {sorted(set(a) ^ set(b))}")
+    for name in a:
+        if a[name].shape != b[name].shape:
+            raise ValueError(f"{what}: {name} has shape {tuple(a[name].shape)} vs {tuple(b[name].shape)}")
+
+
+def pseudo_gradient(base: Named, trained: Named) -> Named:
+    """Δ = θ_base − θ_trained per tensor: the direction the outer optimizer treats as a gradient."""
+    _check_same_layout(base, trained, "pseudo_gradient")
+    return {name: base[name].to(torch.float32) - trained[name].to(torch.float32) for name in sorted(base)}
+
+
+def weighted_mean(updates: list[tuple[Named, float]]) -> Named:
+    """Σ w_i·u_i / Σ w_i, summed in the order given: sort by peer id first (weighted_mean_by_peer)."""
+    if not updates:
+        raise ValueError("weighted_mean needs at least one update")
+    if any(not math.isfinite(w) or w <= 0 for _, w in updates):
+        raise ValueError(f"weights must be finite and > 0, got {[w for _, w in updates]}")
+    first = updates[0][0]
+    for named, _ in updates[1:]:
+        _check_same_layout(first, named, "weighted_mean")
+    total = math.fsum(w for _, w in updates)
+    out = {}
+    for name in sorted(first):
+        acc = torch.zeros_like(first[name], dtype=torch.float32)
+        for named, w in updates:
+            acc = acc + named[name].to(torch.float32) * torch.tensor(w / total, dtype=torch.float32)
+        out[name] = acc
+    return out
+
+
+def weighted_mean_by_peer(updates: dict[str, tuple[Named, float]]) -> Named:
+    """weighted_mean in sorted peer-id order, so every aggregator sums in the same order."""
+    return weighted_mean([updates[peer] for peer in sorted(updates)])
+
+
+class OuterNesterov:
+    """SGD with Nesterov momentum on pseudo-gradients (torch.optim.SGD(nesterov=True) semantics).
+
+    buf = momentum·buf + Δ;  θ = θ − lr·(Δ + momentum·buf). Buffers start at zero, which equals
+    torch's first-step copy exactly. State is the buffers as named tensors ("momentum.<name>").
+    """
+
+    def __init__(self, *, lr: float = 0.7, momentum: float = 0.9):
+        if not (lr > 0 and math.isfinite(lr)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got lr={lr}, momentum={momentum}")
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: Named = {}
+
+    def step(self, params: Named, update: Named) -> Named:
+        """New parameters; params and update are left untouched."""
+        _check_same_layout(params, update, "outer step")
+        lr = torch.tensor(self.lr, dtype=torch.float32)
+        mu = torch.tensor(self.momentum, dtype=torch.float32)
+        out = {}
+        for name in sorted(params):
+            g = update[name].to(torch.float32)
+            buf = self.buffers.get(name)
+            buf = g.clone() if buf is None else buf * mu + g
+            self.buffers[name] = buf
+            out[name] = params[name].to(torch.float32) - (g + buf * mu) * lr
+        return out
+
+    def state_dict(self) -> Named:
+        return {f"momentum.{name}": buf.clone() for name, buf in sorted(self.buffers.items())}
+
+    def load_state_dict(self, state: Named) -> None:
+        bad = [k for k in state if not k.startswith("momentum.")]
+        if bad:
+            raise ValueError(f"unexpected outer optimizer state keys: {bad[:5]}")
+        self.buffers = {k.removeprefix("momentum."): t.to(torch.float32).clone() for k, t in state.items()}
+
+
+def weights_hash(named: Named) -> str:
+    """sha256 hex over (name, dtype, shape, raw bytes) of every tensor in sorted-name order."""
+    h = hashlib.sha256(b"shoal/weights/v1")
+    for name in sorted(named):
+        t = named[name].detach().cpu().contiguous()
+        header = json.dumps([name, str(t.dtype).removeprefix("torch."), list(t.shape)]).encode()
+        h.update(len(header).to_bytes(4, "big") + header)
+        if t.numel():
+            h.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+    return h.hexdigest()
+
+
+_ST_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+
+
+def save_named(path: str | os.PathLike, named: Named, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file atomically: temp file, fsync, rename, fsync of the directory.
+
+    The writer is these few lines because safetensors' own saver needs numpy, which Shoal does
+    not depend on; reading goes through safetensors, which checks the layout.
+    """
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    blobs, offset = [], 0
+    for name in sorted(named):
+        t = named[name].detach().cpu().contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code here")
+        raw = tensor_bytes(t)
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(head).to_bytes(8, "little"))
+            f.write(head)
+            for raw in blobs:
+                f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_named(path: str | os.PathLike) -> Named:
+    """Tensors of a safetensors file, by name in sorted order."""
+    return dict(sorted(load_file(os.fspath(path)).items()))
