@@ -257,8 +257,7 @@ class Lab:
         It sees SHOAL_NETLAB_HOST and SHOAL_NETLAB_ADDRESS, and is stopped on destroy().
         """
         target = self.host(host)
-        env = dict(popen_kwargs.pop("env", None) or os.environ)
-        env.update(SHOAL_NETLAB_HOST=target.name, SHOAL_NETLAB_ADDRESS=target.address)
+        env = _host_env(target, popen_kwargs.pop("env", None))
         proc = subprocess.Popen(["ip", "netns", "exec", target.namespace, *argv], env=env, **popen_kwargs)
         self._procs.append(proc)
         return proc
@@ -330,6 +329,11 @@ class Lab:
                     proc.wait(timeout=STOP_GRACE_S)
         self._procs.clear()
         _teardown(self.prefix)
+
+
+def _host_env(host: Host, base: dict | None = None) -> dict:
+    return {**(os.environ if base is None else base),
+            "SHOAL_NETLAB_HOST": host.name, "SHOAL_NETLAB_ADDRESS": host.address}
 
 
 def _new_prefix() -> str:
@@ -437,6 +441,9 @@ def transfer(lab: Lab, src: str, dst: str, *, seconds: float, connect_timeout_s:
         sent = lab.run(src, [*me, "_send", "--address", lab.host(dst).address, "--port", str(SINK_PORT),
                              "--seconds", str(seconds), "--connect-timeout-s", str(connect_timeout_s)],
                        timeout_s=seconds + connect_timeout_s + 20)
+        sent_report = json.loads(sent.stdout or '{"connected": false}')
+        if not sent_report["connected"]:
+            return {**sent_report, "bytes": 0, "measured_bits": 0.0}
         out, _ = sink.communicate(timeout=seconds + idle_timeout_s + 35)
     finally:
         if sink.poll() is None:
@@ -444,7 +451,7 @@ def transfer(lab: Lab, src: str, dst: str, *, seconds: float, connect_timeout_s:
             sink.wait(timeout=STOP_GRACE_S)
     received = json.loads(out)
     measured_bits = received["timed_bytes"] * 8 / received["seconds"] if received.get("seconds") else 0.0
-    return {**json.loads(sent.stdout or "{}"), **received, "measured_bits": measured_bits}
+    return {**sent_report, **received, "measured_bits": measured_bits}
 
 
 def reachable(lab: Lab, src: str, dst: str, *, timeout_s: float = 2.0) -> bool:
@@ -544,7 +551,7 @@ def _command(args: argparse.Namespace) -> int:
         if not argv:
             raise ValueError("exec needs a command: exec HOST -- CMD ...")
         host = Lab.attach(_resolve_prefix(args.prefix)).host(args.host)
-        os.execvp("ip", ["ip", "netns", "exec", host.namespace, *argv])
+        os.execvpe("ip", ["ip", "netns", "exec", host.namespace, *argv], _host_env(host))
     elif args.command in ("cut", "heal"):
         getattr(Lab.attach(_resolve_prefix(args.prefix)), args.command)(args.host)
     elif args.command == "status":

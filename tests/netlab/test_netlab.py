@@ -1,0 +1,150 @@
+"""Netlab builds isolated, shaped hosts, cuts and heals them, and never leaves anything behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import netlab
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.netlab
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Every namespace, root-namespace link or state file that carries the prefix."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    found = [line for line in (namespaces + links).splitlines() if prefix in line]
+    return found + [str(p) for p in netlab.STATE_DIR.glob(f"{prefix}*")]
+
+
+def wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize(("text", "bits"), [("50mbit", 50_000_000), ("500kbit", 500_000),
+                                             ("1.5gbit", 1_500_000_000), (64_000, 64_000)])
+def test_parse_rate_bits(text, bits):
+    assert netlab.parse_rate_bits(text) == bits
+
+
+@pytest.mark.parametrize("text", ["fast", "50mbps", "0", "10kbit extra"])
+def test_parse_rate_bits_refuses_nonsense(text):
+    with pytest.raises(ValueError):
+        netlab.parse_rate_bits(text)
+
+
+def test_without_root_it_says_why_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netlab.main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "root" in err
+
+
+def test_create_then_destroy_leaves_nothing(netlab_factory):
+    lab = netlab_factory(3)
+    assert len(leftovers(lab.prefix)) == 4 + 1  # three hosts and the bridge, plus the state file
+    addresses = [h.address for h in lab.hosts]
+    assert len(set(addresses)) == 3 and all(a.startswith("10.213.") for a in addresses)
+    lab.destroy()
+    assert leftovers(lab.prefix) == []
+
+
+def test_hosts_reach_each_other_over_tcp(netlab_factory):
+    lab = netlab_factory(2)
+    assert netlab.reachable(lab, "h0", "h1")
+    assert netlab.reachable(lab, "h1", "h0")
+    shown = lab.run("h1", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"])
+    assert shown.stdout.strip() == ""  # run() passes the caller's environment unchanged
+    started = lab.exec("h1", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"], stdout=subprocess.PIPE, text=True)
+    assert started.communicate(timeout=10)[0].strip() == lab.host("h1").address
+
+
+def test_cut_blocks_only_that_host_and_heal_restores(netlab_factory):
+    lab = netlab_factory(3)
+    lab.cut("h1")
+    assert lab.status()["hosts"][1]["cut"]
+    assert not netlab.reachable(lab, "h0", "h1", timeout_s=1.0)
+    assert netlab.reachable(lab, "h0", "h2")
+    lab.heal("h1")
+    assert not lab.status()["hosts"][1]["cut"]
+    assert any(netlab.reachable(lab, "h0", "h1") for _ in range(3))
+
+
+@pytest.mark.slow
+def test_shaped_rate_is_within_15_percent(netlab_factory):
+    rate_bits = 50_000_000
+    lab = netlab_factory(2, rate=rate_bits)
+    measured = netlab.transfer(lab, "h0", "h1", seconds=2.5)
+    assert 0.85 <= measured["measured_bits"] / rate_bits <= 1.15
+
+
+@pytest.mark.slow
+def test_download_limit_applies_per_host(netlab_factory):
+    lab = netlab_factory(2, rate="50mbit")
+    lab.set_rate("h1", up="50mbit", down="20mbit")
+    measured = netlab.transfer(lab, "h0", "h1", seconds=2.5)
+    assert 0.85 <= measured["measured_bits"] / 20_000_000 <= 1.15
+
+
+def test_destroy_stale_removes_only_labs_whose_owner_died(netlab_factory):
+    live = netlab_factory(1)
+    crashed = subprocess.run(
+        [sys.executable, "-c", "from scripts.netlab import Lab; print(Lab.create(2).prefix)"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.strip()
+    assert leftovers(crashed) != []
+    assert crashed in netlab.stale_prefixes() and live.prefix not in netlab.stale_prefixes()
+    assert crashed in netlab.destroy_stale()
+    assert leftovers(crashed) == []
+    assert len(leftovers(live.prefix)) == 2 + 1
+
+
+def test_failing_body_still_cleans_up(netlab_session):
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with netlab.open_lab(2) as lab:
+            prefix = lab.prefix
+            raise RuntimeError("the test failed")
+    assert leftovers(prefix) == []
+
+
+def test_destroy_stops_processes_inside_the_hosts(netlab_factory):
+    lab = netlab_factory(2)
+    tracked = lab.exec("h0", ["sleep", "60"])
+    # Started through the CLI, so this Lab object never saw its Popen.
+    untracked = subprocess.Popen([sys.executable, "scripts/netlab.py", "exec", "--prefix", lab.prefix,
+                                  "h1", "--", "sleep", "60"], cwd=REPO_ROOT)
+    assert wait_for(lambda: lab.run("h1", ["true"]).returncode == 0 and subprocess.run(
+        ["ip", "netns", "pids", lab.host("h1").namespace], capture_output=True, text=True).stdout, 10)
+    lab.destroy()
+    assert tracked.wait(timeout=10) is not None
+    assert untracked.wait(timeout=10) is not None
+    assert leftovers(lab.prefix) == []
+
+
+@pytest.mark.slow
+def test_sigterm_during_selftest_removes_its_lab(netlab_session):
+    before = set(netlab.STATE_DIR.glob("*.json")) if netlab.STATE_DIR.is_dir() else set()
+    proc = subprocess.Popen([sys.executable, "scripts/netlab.py", "selftest", "--hosts", "2",
+                             "--transfer-s", "20"], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: set(netlab.STATE_DIR.glob("*.json")) - before, 30)
+        prefix = (set(netlab.STATE_DIR.glob("*.json")) - before).pop().stem
+        assert wait_for(lambda: len(leftovers(prefix)) == 3 + 1, 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert leftovers(prefix) == []
