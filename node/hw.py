@@ -130,8 +130,7 @@ def detect_gpus() -> tuple[list[GpuInfo], str, str | None]:
     """Return (gpus, status line, error); the error says why NVML gave nothing."""
     try:
         with warnings.catch_warnings():
-            # The "pynvml" shim package warns that it is deprecated on every import.
-            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)  # the "pynvml" shim warns it is deprecated on import
             import pynvml
     except ImportError as error:
         reason = f"NVML not available: cannot import pynvml ({error}) — pip install nvidia-ml-py"
@@ -237,7 +236,10 @@ def detect_torch(cpu_name: str = "") -> TorchInfo:
     except ImportError as error:
         return TorchInfo(version=None, cuda_version=None, error=f"cannot import torch: {error}")
     devices = [_probe(torch, "cpu", cpu_name)]
-    if torch.cuda.is_available():
+    with warnings.catch_warnings(record=True) as caught:  # torch explains a failed CUDA init only as a warning
+        warnings.simplefilter("always")
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
         for index in range(torch.cuda.device_count()):
             devices.append(_probe_cuda(torch, index))
     if torch.backends.mps.is_available():
@@ -245,8 +247,9 @@ def detect_torch(cpu_name: str = "") -> TorchInfo:
     error = None
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         error = "torch is a CPU-only build; CUDA devices cannot be used"
-    elif not torch.cuda.is_available():
-        error = "torch has CUDA but torch.cuda.is_available() is False (no driver or no visible GPU)"
+    elif not cuda_available:
+        why = str(caught[0].message).splitlines()[0] if caught else "no driver or no visible GPU"
+        error = f"torch has CUDA {torch.version.cuda} but cannot use it: {why}"
     return TorchInfo(version=torch.__version__, cuda_version=torch.version.cuda, devices=devices, error=error)
 
 

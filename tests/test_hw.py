@@ -251,3 +251,20 @@ def test_meminfo_in_kib_becomes_bytes_and_missing_proc_falls_back(tmp_path):
     path.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
     assert hw.detect_ram(str(path)) == hw.RamInfo(total_bytes=16_000_000 * 1024, available_bytes=8_000_000 * 1024)
     assert hw.detect_ram(str(tmp_path / "absent")).total_bytes > 0
+
+
+def test_cuda_build_that_cannot_start_cuda_says_why(monkeypatch):
+    torch = hw._import_torch()
+
+    def unavailable():
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old (found version 11040).\nmore")
+        return False
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", unavailable)
+    info = hw.detect_torch()
+    assert info.error == (
+        "torch has CUDA 12.4 but cannot use it: CUDA initialization: "
+        "The NVIDIA driver on your system is too old (found version 11040)."
+    )
+    assert [d.device for d in info.devices] == ["cpu"]
