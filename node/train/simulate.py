@@ -1,0 +1,181 @@
+"""In-process reference runs (single worker, data parallel, DiLoCo) on the same model, data and samples.
+
+run_diloco uses exactly the functions a swarm round uses: assign_shards, derive_seed,
+train_inner, pseudo_gradient, int8 encode/decode, weighted_mean_by_peer and OuterNesterov.
+Data parallel is simulated as one worker with a K-times larger batch: the mean of K equal-size
+mean gradients is the gradient of the mean loss over all K·B samples.
+
+    python -m node.train.simulate --workers 4 --rounds 8 --inner-steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from node.train.compress import ErrorFeedback, decode_int8, encode_int8
+from node.train.data import DEFAULT_CORPUS_BYTES, build_corpus, derive_seed, split_corpus
+from node.train.diloco import OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
+from node.train.inner import AdamWConfig, evaluate, train_inner
+from node.train.model import ModelConfig, init_model, num_params
+from protocol.rendezvous import assign_shards
+
+TASK_ID = "simulate"
+COMPRESSIONS = ("int8", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSetup:
+    model: ModelConfig
+    adamw: AdamWConfig = AdamWConfig()
+    batch_size: int = 16  # per worker and step
+    corpus_bytes: int = DEFAULT_CORPUS_BYTES
+    num_shards: int = 16
+    eval_batches: int = 32
+    eval_batch_size: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    name: str
+    eval_loss: float  # nats per byte on the held-out split
+    samples: int  # sequences trained on, all workers together
+    bytes_per_node: int  # what one node sends in the whole run
+    seconds: float
+
+
+def _data(setup: SimSetup) -> tuple[list[bytes], bytes]:
+    return split_corpus(build_corpus(setup.corpus_bytes), setup.num_shards)
+
+
+def _eval(setup: SimSetup, weights, heldout: bytes) -> float:
+    return evaluate(setup.model, weights, heldout, setup.eval_batches, seed=setup.seed + 1, batch_size=setup.eval_batch_size)
+
+
+def run_single(setup: SimSetup, *, steps: int) -> SimResult:
+    """One worker, batch_size per step, for steps steps."""
+    start = time.monotonic()
+    shards, heldout = _data(setup)
+    weights = named_tensors(init_model(setup.model, setup.seed))
+    result = train_inner(
+        model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=steps,
+        batch_size=setup.batch_size, seed=derive_seed(TASK_ID, "single"), adamw=setup.adamw,
+    )
+    loss = _eval(setup, result.weights, heldout)
+    return SimResult(name="single", eval_loss=loss, samples=result.samples, bytes_per_node=0, seconds=time.monotonic() - start)
+
+
+def run_ddp(setup: SimSetup, *, workers: int, steps: int) -> SimResult:
+    """Synchronous data parallel: K workers' gradients averaged every step (a ring all-reduce)."""
+    start = time.monotonic()
+    shards, heldout = _data(setup)
+    weights = named_tensors(init_model(setup.model, setup.seed))
+    result = train_inner(
+        model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=steps,
+        batch_size=workers * setup.batch_size, seed=derive_seed(TASK_ID, "ddp"), adamw=setup.adamw,
+    )
+    model_bytes = 4 * sum(t.numel() for t in weights.values())
+    sent = steps * 2 * (workers - 1) * model_bytes // workers
+    loss = _eval(setup, result.weights, heldout)
+    return SimResult(name="ddp", eval_loss=loss, samples=result.samples, bytes_per_node=sent, seconds=time.monotonic() - start)
+
+
+def run_diloco(
+    setup: SimSetup,
+    *,
+    workers: int,
+    rounds: int,
+    inner_steps: int,
+    compression: str = "int8",
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    error_feedback: bool = False,
+) -> SimResult:
+    """DiLoCo rounds as the swarm runs them; bytes per node ~ 2x the compressed update per round
+    (reduce-scatter of each node's update to the shard aggregators, all-gather of the mean)."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    start = time.monotonic()
+    shards, heldout = _data(setup)
+    theta = named_tensors(init_model(setup.model, setup.seed))
+    outer = OuterNesterov(lr=outer_lr, momentum=outer_momentum)
+    peers = [f"peer-{i}" for i in range(workers)]
+    inner_states: dict[str, dict] = {}
+    feedback = {peer: ErrorFeedback() for peer in peers}
+    samples = sent = 0
+    for round_index in range(rounds):
+        assignment = assign_shards(TASK_ID, round_index, peers, setup.num_shards)
+        updates = {}
+        for peer in peers:
+            result = train_inner(
+                model_config=setup.model, base_weights=theta,
+                data=b"".join(shards[i] for i in assignment[peer]), steps=inner_steps,
+                batch_size=setup.batch_size, seed=derive_seed(TASK_ID, round_index, peer),
+                adamw=setup.adamw, opt_state=inner_states.get(peer),
+            )
+            inner_states[peer] = result.opt_state
+            samples += result.samples
+            delta, layout = flatten(pseudo_gradient(theta, result.weights))
+            if compression == "int8":
+                payload = feedback[peer].encode("delta", delta) if error_feedback else encode_int8(delta)
+                delta = decode_int8(payload, delta.numel())
+            updates[peer] = ({"delta": delta}, result.samples)
+        mean = weighted_mean_by_peer(updates)["delta"]
+        if compression == "int8":
+            payload = encode_int8(mean)  # aggregators ship the mean compressed too
+            mean = decode_int8(payload, mean.numel())
+            sent += 2 * len(payload)
+        else:
+            sent += 2 * 4 * mean.numel()
+        theta = outer.step(theta, unflatten(mean, layout))
+    loss = _eval(setup, theta, heldout)
+    return SimResult(name=f"diloco-{compression}", eval_loss=loss, samples=samples, bytes_per_node=sent, seconds=time.monotonic() - start)
+
+
+def compare(setup: SimSetup, *, workers: int, rounds: int, inner_steps: int, **diloco_options) -> list[SimResult]:
+    """The three runs on the same total samples: K·R·H·batch_size sequences each."""
+    return [
+        run_single(setup, steps=workers * rounds * inner_steps),
+        run_ddp(setup, workers=workers, steps=rounds * inner_steps),
+        run_diloco(setup, workers=workers, rounds=rounds, inner_steps=inner_steps, **diloco_options),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="int8")
+    parser.add_argument("--error-feedback", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len)
+    setup = SimSetup(model=model, adamw=AdamWConfig(lr=args.lr, warmup_steps=args.warmup_steps), batch_size=args.batch_size)
+    print(f"params {num_params(init_model(model, 0))}  {dataclasses.asdict(setup)}")
+    results = compare(
+        setup, workers=args.workers, rounds=args.rounds, inner_steps=args.inner_steps,
+        compression=args.compression, outer_lr=args.outer_lr, error_feedback=args.error_feedback,
+    )
+    for r in results:
+        print(f"{r.name:12s} loss {r.eval_loss:.4f}  samples {r.samples}  bytes/node {r.bytes_per_node:,}  {r.seconds:.1f}s")
+    ddp, diloco = results[1], results[2]
+    print(f"diloco/ddp loss {diloco.eval_loss / ddp.eval_loss:.4f}  ddp/diloco bytes {ddp.bytes_per_node / diloco.bytes_per_node:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
