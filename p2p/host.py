@@ -65,8 +65,10 @@ class _Stream:
             raise ValueError(f"max_bytes must be positive, not {max_bytes}")
         try:
             data = await self._raw.read(max_bytes)
-        except StreamEOF:
-            return b""
+        except StreamEOF as exc:
+            if _eof_is_genuine(self._raw):
+                return b""
+            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} was reset or lost") from exc
         except _STREAM_ERRORS as exc:
             raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
         self._stats.bytes_received += len(data)
@@ -102,6 +104,18 @@ class _Stream:
             await self._raw.reset()
         except _STREAM_ERRORS:
             pass  # a reset of a dead stream has nothing left to do
+
+
+def _eof_is_genuine(raw: Any) -> bool:
+    """True only for a FIN from the peer.
+
+    Yamux in 0.8.1 also raises EOF when an RST or a dying connection removes the stream while a
+    read waits ("Stream was removed during read"); that must not look like a clean end.
+    """
+    muxed = getattr(raw, "muxed_stream", None)
+    if muxed is None or not hasattr(muxed, "recv_closed"):
+        return True
+    return bool(muxed.recv_closed) and not getattr(muxed, "reset_received", False)
 
 
 def _to_id(peer_id: str) -> ID:
