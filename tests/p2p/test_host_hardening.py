@@ -1,0 +1,127 @@
+"""What only the libp2p host must guard against: weak dialers, silent peers, lost connections, mDNS threads."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import AsyncExitStack
+
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID, Transport as NoiseTransport
+from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
+from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
+
+from p2p.host import _thread_forwarder, open_host
+from p2p_harness import connect, fresh_keypair, make_config, wait_until
+from protocol.errors import PeerUnreachable, StreamClosed
+
+
+def _weak_dialer(kind: str):
+    key_pair = create_new_key_pair()
+    if kind == "plaintext":
+        sec_opt = {PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)}
+        muxer_opt = {TProtocol(YAMUX_ID): Yamux}
+    else:  # noise, but only the mplex muxer
+        sec_opt = {NOISE_ID: NoiseTransport(key_pair, noise_privkey=x25519_key_pair().private_key)}
+        muxer_opt = {TProtocol(MPLEX_PROTOCOL_ID): Mplex}
+    return new_host(key_pair=key_pair, sec_opt=sec_opt, muxer_opt=muxer_opt,
+                    connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=3.0))
+
+
+@pytest.mark.parametrize("kind", ["plaintext", "mplex-only"])
+async def test_a_dialer_without_noise_and_yamux_cannot_connect(kind):
+    with trio.fail_after(30):
+        async with open_host(fresh_keypair(), make_config()) as ours:
+            dialer = _weak_dialer(kind)
+            async with dialer.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                with pytest.raises(Exception):
+                    with trio.fail_after(10):
+                        await dialer.connect(info_from_p2p_addr(multiaddr.Multiaddr(ours.listen_addrs()[0])))
+                assert ours.connected_peers() == []
+                await dialer.close()
+
+
+async def test_a_silent_tcp_peer_times_out_as_peer_unreachable():
+    """A listener that accepts but never speaks multistream: the dial must end at dial_timeout_s."""
+    accepted = []
+
+    async def hold_open(conn):
+        accepted.append(conn)
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, hold_open, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            fake_id = fresh_keypair().peer_id
+            async with open_host(fresh_keypair(), make_config(dial_timeout_s=1.0)) as ours:
+                started = trio.current_time()
+                with pytest.raises(PeerUnreachable):
+                    await ours.connect(f"/ip4/127.0.0.1/tcp/{port}/p2p/{fake_id}")
+                assert trio.current_time() - started < 5.0
+                assert accepted  # the dial reached the silent listener and was cut by our deadline
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_host_that_vanishes_mid_stream_is_stream_closed_not_eof():
+    got = []
+    reading = trio.Event()
+
+    async def slow_reader(stream):
+        reading.set()
+        try:
+            while await stream.read(1024):
+                pass
+            got.append("eof")
+        except StreamClosed:
+            got.append("closed")
+
+    with trio.fail_after(30):
+        async with open_host(fresh_keypair(), make_config()) as b:
+            b.set_stream_handler("/hold/1", slow_reader)
+            async with AsyncExitStack() as stack:
+                a = await stack.enter_async_context(open_host(fresh_keypair(), make_config()))
+                await connect(a, b)
+                stream = await a.open_stream(b.peer_id, "/hold/1")
+                await stream.write(b"partial frame")
+                await reading.wait()
+            # a's host is gone without closing the stream: b must not mistake that for a clean end.
+            await wait_until(lambda: got != [], timeout_s=10)
+            assert got == ["closed"]
+
+
+async def test_mdns_callbacks_from_foreign_threads_reach_discovered_and_skip_ourselves():
+    with trio.fail_after(20):
+        async with open_host(fresh_keypair(), make_config()) as ours:
+            forward = _thread_forwarder(ours, trio.lowlevel.current_trio_token())
+            other_id = fresh_keypair().peer_id
+            mine = PeerInfo(ID.from_base58(ours.peer_id), [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/1")])
+            theirs = PeerInfo(ID.from_base58(other_id), [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4242")])
+
+            def zeroconf_thread():
+                forward(mine)
+                forward(theirs)
+
+            thread = threading.Thread(target=zeroconf_thread)
+            thread.start()
+            await trio.to_thread.run_sync(thread.join)
+            assert await ours.discovered().receive() == f"/ip4/127.0.0.1/tcp/4242/p2p/{other_id}"
+            with pytest.raises(trio.WouldBlock):
+                ours.discovered().receive_nowait()
+
+
+async def test_publish_refuses_payloads_over_max_gossip_bytes(swarm):
+    with trio.fail_after(20):
+        async with swarm.hosts(1, config=make_config(max_gossip_bytes=1024)) as (a,):
+            with pytest.raises(ValueError):
+                await a.publish("t", b"x" * 1025)
