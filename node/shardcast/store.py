@@ -1,0 +1,252 @@
+"""Content-addressed shard store on disk: shards by sha256, sealed manifests by id, atomic writes, GC."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.errors import IntegrityError, RemoteProtocolError
+from protocol.manifest import SignedManifest, open_manifest
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK_BYTES = 1 << 20
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is only durable once the directory entry is on disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes | bytearray | memoryview, tmp_dir: Path) -> None:
+    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReport:
+    """What ShardStore.open found: shards kept after re-hashing, corrupt ones removed, manifests."""
+
+    shards_kept: int
+    shards_corrupt: int
+    manifests_kept: int
+    manifests_invalid: int
+
+
+class ShardWriter:
+    """Receives one shard chunk by chunk, hashing as it goes; commit() verifies, fsyncs and renames."""
+
+    def __init__(self, store: "ShardStore", sha256: bytes, nbytes: int):
+        self._store = store
+        self.sha256 = sha256
+        self.nbytes = nbytes
+        self.received_bytes = 0
+        self._hash = hashlib.sha256()
+        self._tmp = store.tmp_dir / f"{sha256.hex()}.{id(self):x}.part"
+        self._file = open(self._tmp, "wb")
+
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        if self.received_bytes + len(chunk) > self.nbytes:
+            raise IntegrityError(f"shard longer than the promised {self.nbytes} bytes")
+        self._hash.update(chunk)
+        self._file.write(chunk)
+        self.received_bytes += len(chunk)
+
+    def verify(self) -> None:
+        """IntegrityError unless the bytes so far are exactly the promised shard."""
+        if self.received_bytes != self.nbytes:
+            raise IntegrityError(f"shard has {self.received_bytes} bytes, expected {self.nbytes}")
+        if self._hash.digest() != self.sha256:
+            raise IntegrityError("shard hash mismatch")
+
+    def commit(self) -> None:
+        """Blocking (fsync): run it in a thread."""
+        self.verify()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._store._install(self._tmp, self.sha256, self.nbytes)
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class ShardStore:
+    """A data dir: ``shards/<aa>/<sha256 hex>``, ``manifests/<id hex>.sealed``, ``tmp/``.
+
+    Blocking methods (open, put_*, read_shard, gc) belong in ``trio.to_thread.run_sync``.
+    Recency of manifests is the file's mtime, refreshed each time it is stored again.
+    """
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = Path(data_dir)
+        self.shard_dir = self.data_dir / "shards"
+        self.manifest_dir = self.data_dir / "manifests"
+        self.tmp_dir = self.data_dir / "tmp"
+        for d in (self.shard_dir, self.manifest_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._shards: dict[bytes, int] = {}
+        self._manifests: dict[bytes, SignedManifest] = {}
+        self.last_open_report: OpenReport | None = None
+
+    @classmethod
+    def open(cls, data_dir: Path | str) -> "ShardStore":
+        """Load a data dir, re-hashing every shard and dropping corrupt ones and leftovers."""
+        store = cls(Path(data_dir))
+        store.last_open_report = store._load()
+        return store
+
+    def _load(self) -> OpenReport:
+        for leftover in self.tmp_dir.iterdir():
+            leftover.unlink(missing_ok=True)
+        kept = corrupt = 0
+        for sub in self.shard_dir.iterdir():
+            for path in sub.iterdir() if sub.is_dir() else ():
+                try:
+                    digest = bytes.fromhex(path.name)
+                except ValueError:
+                    digest = b""
+                actual, nbytes = self._hash_file(path)
+                if actual != digest:
+                    log.warning("dropping corrupt shard %s", path.name)
+                    path.unlink(missing_ok=True)
+                    corrupt += 1
+                    continue
+                self._shards[digest] = nbytes
+                kept += 1
+        good = bad = 0
+        for path in self.manifest_dir.glob("*.sealed"):
+            try:
+                signed = open_manifest(path.read_bytes(), expected_id=bytes.fromhex(path.stem))
+            except (RemoteProtocolError, ValueError):
+                log.warning("dropping invalid manifest %s", path.name)
+                path.unlink(missing_ok=True)
+                bad += 1
+                continue
+            self._manifests[signed.manifest_id] = signed
+            good += 1
+        return OpenReport(shards_kept=kept, shards_corrupt=corrupt, manifests_kept=good, manifests_invalid=bad)
+
+    @staticmethod
+    def _hash_file(path: Path) -> tuple[bytes, int]:
+        h = hashlib.sha256()
+        nbytes = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(READ_CHUNK_BYTES):
+                h.update(chunk)
+                nbytes += len(chunk)
+        return h.digest(), nbytes
+
+    # shards
+
+    def shard_path(self, sha256: bytes) -> Path:
+        name = sha256.hex()
+        return self.shard_dir / name[:2] / name
+
+    def has_shard(self, sha256: bytes) -> bool:
+        return sha256 in self._shards
+
+    def shard_bytes_on_disk(self) -> int:
+        return sum(self._shards.values())
+
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    def _install(self, tmp: Path, sha256: bytes, nbytes: int) -> None:
+        path = self.shard_path(sha256)
+        path.parent.mkdir(exist_ok=True)
+        with self._lock:
+            os.replace(tmp, path)
+            self._shards[sha256] = nbytes
+        _fsync_dir(path.parent)
+
+    def put_shard(self, data: bytes | bytearray | memoryview) -> bytes:
+        """Store ``data`` under its sha256 (a no-op if present); returns the hash."""
+        digest = hashlib.sha256(data).digest()
+        if digest not in self._shards:
+            path = self.shard_path(digest)
+            path.parent.mkdir(exist_ok=True)
+            _atomic_write(path, data, self.tmp_dir)
+            with self._lock:
+                self._shards[digest] = len(data)
+        return digest
+
+    def shard_writer(self, sha256: bytes, nbytes: int) -> ShardWriter:
+        return ShardWriter(self, sha256, nbytes)
+
+    def read_shard(self, sha256: bytes, *, verify: bool = True) -> bytes:
+        """The shard's bytes; IntegrityError (and the file dropped) if the disk no longer matches."""
+        data = self.shard_path(sha256).read_bytes()
+        if verify and hashlib.sha256(data).digest() != sha256:
+            self.drop_shard(sha256)
+            raise IntegrityError(f"shard {sha256.hex()[:16]} is corrupt on disk; dropped")
+        return data
+
+    def drop_shard(self, sha256: bytes) -> None:
+        with self._lock:
+            self._shards.pop(sha256, None)
+            self.shard_path(sha256).unlink(missing_ok=True)
+
+    # manifests
+
+    def put_manifest(self, signed: SignedManifest) -> None:
+        """Store (or refresh the recency of) a verified manifest."""
+        path = self.manifest_dir / f"{signed.manifest_id.hex()}.sealed"
+        if path.exists():
+            os.utime(path)
+        else:
+            _atomic_write(path, signed.sealed, self.tmp_dir)
+        with self._lock:
+            self._manifests[signed.manifest_id] = signed
+
+    def get_manifest(self, manifest_id: bytes) -> SignedManifest | None:
+        return self._manifests.get(manifest_id)
+
+    def manifest_ids(self) -> list[bytes]:
+        """Stored manifests, oldest first."""
+        def age(mid: bytes) -> tuple[int, bytes]:
+            try:
+                return (self.manifest_dir / f"{mid.hex()}.sealed").stat().st_mtime_ns, mid
+            except FileNotFoundError:
+                return 0, mid
+        return sorted(self._manifests, key=age)
+
+    def held_indices(self, manifest_id: bytes) -> set[int]:
+        signed = self._manifests.get(manifest_id)
+        if signed is None:
+            return set()
+        return {i for i, h in enumerate(signed.manifest.shard_hashes) if h in self._shards}
+
+    def gc(self, *, keep_manifests: int, protect: set[bytes] = frozenset()) -> tuple[int, int]:
+        """Keep the newest ``keep_manifests`` manifests plus ``protect``; delete shards nobody references.
+
+        Returns (manifests removed, shards removed).
+        """
+        with self._lock:
+            order = self.manifest_ids()
+            doomed = [m for m in order[:max(0, len(order) - keep_manifests)] if m not in protect]
+            for mid in doomed:
+                self._manifests.pop(mid)
+                (self.manifest_dir / f"{mid.hex()}.sealed").unlink(missing_ok=True)
+            referenced = {h for s in self._manifests.values() for h in s.manifest.shard_hashes}
+            orphans = [h for h in self._shards if h not in referenced]
+            for h in orphans:
+                self._shards.pop(h)
+                self.shard_path(h).unlink(missing_ok=True)
+        return len(doomed), len(orphans)
