@@ -1,0 +1,174 @@
+"""The `shoal` command line: start a node, show its identity, hardware, status and peers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+
+from node.config import NodeConfig, default_data_dir, load_config
+from protocol.errors import ShoalError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Shoal: a peer-to-peer compute node for decentralized training.")
+log = logging.getLogger("shoal.cli")
+
+SHUTDOWN_S = 4.5
+"""How long a clean stop may take after SIGINT/SIGTERM before the process gives up waiting."""
+
+DataDir = typer.Option(None, "--data-dir", help="Node data directory (identity, shards, checkpoints).")
+Url = typer.Option(None, "--url", help="Control API URL of the node (default: found through --data-dir).")
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"shoal: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def run_cli(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ShoalError as exc:
+        fail(str(exc))
+
+
+def _control_url(data_dir: Optional[Path], url: Optional[str]) -> str:
+    if url:
+        return url.rstrip("/")
+    from node.daemon import read_ready_file
+    return read_ready_file(data_dir or _data_dir_default())["control_url"]
+
+
+def _data_dir_default() -> Path:
+    env = os.environ.get("SHOAL_DATA_DIR")
+    return Path(env).expanduser() if env else default_data_dir()
+
+
+@app.command()
+def start(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),
+    data_dir: Optional[Path] = DataDir,
+    listen: Optional[List[str]] = typer.Option(None, "--listen", help="Multiaddr to listen on (repeatable)."),
+    bootstrap: Optional[List[str]] = typer.Option(None, "--bootstrap", help="Peer multiaddr with /p2p/ (repeatable)."),
+    mdns: Optional[bool] = typer.Option(None, "--mdns/--no-mdns", help="Find peers on the local network."),
+    control_port: Optional[int] = typer.Option(None, "--control-port", help="Control API port (0: any free one)."),
+    log_json: Optional[bool] = typer.Option(None, "--log-json/--no-log-json", help="Log one JSON object per line."),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Run a node until SIGINT or SIGTERM."""
+    flags = {"data_dir": data_dir, "listen": listen or None, "bootstrap": bootstrap or None, "mdns": mdns,
+             "control_port": control_port, "log_json": log_json, "log_level": log_level}
+    env_config = os.environ.get("SHOAL_CONFIG")
+    cfg = run_cli(lambda: load_config(path=config or (Path(env_config) if env_config else None), flags=flags))
+    from node.logs import setup_logging
+    setup_logging(cfg.log_level, json_lines=cfg.log_json)
+    code = run_cli(lambda: _run_daemon(cfg))
+    raise typer.Exit(code)
+
+
+def _run_daemon(cfg: NodeConfig) -> int:
+    import trio
+
+    from node.daemon import run_node
+    from node.services import default_services
+
+    stopping = threading.Event()
+
+    def give_up() -> None:
+        if not stopping.wait(SHUTDOWN_S):
+            log.error("shutdown took longer than %.1f s; exiting anyway", SHUTDOWN_S)
+            os._exit(1)
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                node = await nursery.start(lambda task_status: run_node(
+                    cfg, services=default_services(), task_status=task_status))
+                print(f"shoal ready peer_id={node.keypair.peer_id} control={node.control_url} "
+                      f"addrs={','.join(node.membership.advertised_addrs())}", flush=True)
+                async for signum in signals:
+                    log.info("received %s, stopping", signal.Signals(signum).name)
+                    threading.Thread(target=give_up, daemon=True).start()
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stopping.set()
+    log.info("stopped")
+    return 0
+
+
+@app.command("id")
+def show_id(data_dir: Optional[Path] = DataDir) -> None:
+    """Print this node's peer id and the multiaddrs to hand to others."""
+    def go() -> None:
+        from node import identity
+        from node.daemon import READY_FILE
+        directory = data_dir or _data_dir_default()
+        keypair = identity.load_or_create(directory)
+        typer.echo(keypair.peer_id)
+        ready = directory / READY_FILE
+        if ready.exists():
+            for addr in json.loads(ready.read_text()).get("addrs", []):
+                typer.echo(addr)
+        else:
+            cfg = load_config(flags={"data_dir": directory})
+            for addr in cfg.announce_addrs or cfg.listen:
+                typer.echo(f"{addr}/p2p/{keypair.peer_id}  (when running)")
+    run_cli(go)
+
+
+@app.command()
+def hw(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+       benchmark: bool = typer.Option(True, "--benchmark/--no-benchmark", help="Run the short matmul benchmark.")) -> None:
+    """Detect GPUs, CPU, memory and torch devices, and measure matmul TFLOP/s."""
+    from node import hw as hardware
+    report = hardware.detect(benchmark=benchmark)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=1))
+    else:
+        from rich.console import Console
+        hardware.render(report, Console())
+
+
+@app.command()
+def status(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show the running node's status."""
+    from node import control, views
+    data = run_cli(lambda: control.call(_control_url(data_dir, url) + "/status"))
+    if as_json:
+        typer.echo(json.dumps(data, indent=1))
+    else:
+        views.print_status(data)
+
+
+@app.command()
+def peers(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
+          as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the peers the running node knows, with state and hardware."""
+    from node import control, views
+    data = run_cli(lambda: control.call(_control_url(data_dir, url) + "/peers"))
+    if as_json:
+        typer.echo(json.dumps(data, indent=1))
+    else:
+        views.print_peers(data)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Node configuration: defaults < TOML file < SHOAL_* environment < command-line flags, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import ConfigError
+from protocol.messages import KNOWN_ROLES
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "shoal"
+
+
+@dataclass(kw_only=True)
+class NodeConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"])
+    announce_addrs: list[str] = field(default_factory=list)
+    bootstrap: list[str] = field(default_factory=list)
+    mdns: bool = False
+    control_host: str = "127.0.0.1"
+    control_port: int = 7070
+    roles: list[str] = field(default_factory=lambda: ["trainer"])
+    heartbeat_interval_s: float = 2.0
+    suspect_after_s: float = 5.0
+    dead_after_s: float = 10.0
+    dial_timeout_s: float = 10.0
+    bootstrap_retry_s: float = 5.0
+    max_peers: int = 64
+    gossip_rate_per_s: float = 20.0
+    gossip_burst: int = 60
+    hardware_benchmark: bool = True
+    log_json: bool = False
+    log_level: str = "info"
+
+    def validate(self) -> "NodeConfig":
+        def need(ok: bool, key: str, fix: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key} = {getattr(self, key)!r}: {fix}")
+
+        need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be a positive number of seconds")
+        need(self.suspect_after_s > self.heartbeat_interval_s, "suspect_after_s",
+             "must be longer than heartbeat_interval_s, or live peers flap to suspect")
+        need(self.dead_after_s >= self.suspect_after_s, "dead_after_s", "must be at least suspect_after_s")
+        need(self.dial_timeout_s > 0, "dial_timeout_s", "must be a positive number of seconds")
+        need(self.bootstrap_retry_s > 0, "bootstrap_retry_s", "must be a positive number of seconds")
+        need(0 <= self.control_port <= 65535, "control_port", "must be a TCP port (0 picks a free one)")
+        need(self.control_host in ("127.0.0.1", "::1", "localhost"), "control_host",
+             "the control API has no authentication and binds to loopback only: use 127.0.0.1")
+        need(1 <= self.max_peers <= 10_000, "max_peers", "must be between 1 and 10000")
+        need(self.gossip_rate_per_s > 0 and self.gossip_burst >= 1, "gossip_rate_per_s",
+             "the gossip flood limit needs a positive rate and a burst of at least 1")
+        need(bool(self.listen), "listen", "give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4001")
+        for key in ("listen", "announce_addrs", "bootstrap"):
+            for addr in getattr(self, key):
+                need(addr.startswith("/"), key, f"{addr!r} is not a multiaddr (like /ip4/1.2.3.4/tcp/4001)")
+        for addr in self.bootstrap:
+            need("/p2p/" in addr, "bootstrap", f"{addr!r} needs its /p2p/<peer id> suffix (see `shoal id` on that node)")
+        unknown = set(self.roles) - KNOWN_ROLES
+        need(not unknown, "roles", f"unknown role(s) {sorted(unknown)}; choose from {sorted(KNOWN_ROLES)}")
+        need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
+             "choose debug, info, warning or error")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+_HINTS = typing.get_type_hints(NodeConfig)
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    hint = _HINTS[key]
+    try:
+        if hint is Path:
+            if not isinstance(value, (str, Path)):
+                raise TypeError
+            return Path(value).expanduser()
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return value.lower() in ("1", "true", "yes", "on")
+            raise TypeError
+        if hint is int:
+            if isinstance(value, bool):
+                raise TypeError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str):
+                raise TypeError
+            return value
+        if typing.get_origin(hint) is list:
+            if isinstance(value, str):
+                return [v.strip() for v in value.split(",") if v.strip()]
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                return list(value)
+            raise TypeError
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise AssertionError(f"unhandled config type {hint}")
+    kind = {Path: "a path", bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, "a list of strings")
+    raise ConfigError(f"{key} = {value!r} ({source}): must be {kind}")
+
+
+def _unknown(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _FIELDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(_FIELDS))}"
+    return ConfigError(f"unknown config key {key!r} ({source}){hint}")
+
+
+def load_config(*, path: Path | None = None, env: dict[str, str] | None = None,
+                flags: dict[str, Any] | None = None) -> NodeConfig:
+    """Build the config from every source; raises ConfigError with one line naming the key and the fix."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass an existing file to --config") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        table = table.get("node", table)
+        for key, value in table.items():
+            if key not in _FIELDS:
+                raise _unknown(key, str(path))
+            values[key] = _coerce(key, value, str(path))
+    env = os.environ if env is None else env
+    for name, value in env.items():
+        if not name.startswith("SHOAL_") or name in ("SHOAL_CONFIG",):
+            continue
+        key = name[len("SHOAL_"):].lower()
+        if key not in _FIELDS:
+            raise _unknown(key, f"environment variable {name}")
+        values[key] = _coerce(key, value, f"environment variable {name}")
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in _FIELDS:
+            raise _unknown(key, "command line")
+        values[key] = _coerce(key, value, "command line")
+    return NodeConfig(**values).validate()

@@ -1,0 +1,39 @@
+"""Poll a node's control API and print one JSON line per poll (used by the swarm launcher, also inside netlab hosts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", required=True, help="control API base URL, e.g. http://127.0.0.1:7070")
+    parser.add_argument("--interval-s", type=float, default=0.5)
+    parser.add_argument("--paths", default="/peers", help="comma-separated endpoints to fetch each poll")
+    parser.add_argument("--max-s", type=float, default=24 * 3600.0, help="stop after this long")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.max_s
+    paths = [p for p in args.paths.split(",") if p]
+    while time.monotonic() < deadline:
+        line: dict = {"t": time.time()}
+        for path in paths:
+            try:
+                with urllib.request.urlopen(args.url.rstrip("/") + path, timeout=5) as resp:
+                    line[path.strip("/")] = json.loads(resp.read())
+            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as exc:
+                line["error"] = str(exc)
+        try:
+            print(json.dumps(line), flush=True)
+        except BrokenPipeError:
+            return 0
+        time.sleep(args.interval_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Run N Shoal nodes as separate processes on this machine, show who sees whom, and report JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+READY_TIMEOUT_S = 120.0
+STOP_GRACE_S = 5.0
+NETLAB_PORT = 4001
+NETLAB_CONTROL_PORT = 7070
+
+
+@dataclass
+class SwarmNode:
+    index: int
+    data_dir: Path
+    argv_prefix: list[str]
+    listen: str
+    control_port: int
+    proc: subprocess.Popen | None = None
+    watcher: subprocess.Popen | None = None
+    peer_id: str = ""
+    addr: str = ""
+    control_url: str = ""
+    started_at: float = 0.0
+    ready_at: float = 0.0
+    seen_all_at: float | None = None
+    peers: dict[str, str] = field(default_factory=dict)  # peer id -> state
+    status: dict = field(default_factory=dict)
+    exit_code: int | None = None
+    ready_event: threading.Event = field(default_factory=threading.Event)
+    log_path: Path | None = None
+
+    def start(self, bootstrap: str | None, extra_args: list[str]) -> None:
+        argv = [sys.executable, "-m", "node.cli", "start", "--data-dir", str(self.data_dir), "--listen", self.listen,
+                "--control-port", str(self.control_port), "--no-mdns", *extra_args]
+        if bootstrap:
+            argv += ["--bootstrap", bootstrap]
+        self.log_path = self.data_dir / "node.log"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(self.argv_prefix + argv, stdout=subprocess.PIPE, stderr=log, env=env,
+                                     cwd=str(ROOT), start_new_session=True)
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("shoal ready "):
+                fields = dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
+                self.peer_id = fields["peer_id"]
+                self.control_url = fields["control"]
+                self.addr = fields.get("addrs", "").split(",")[0]
+                self.ready_at = time.monotonic()
+                self.ready_event.set()
+            elif line:
+                print(f"[node {self.index}] {line}", flush=True)
+
+    def watch(self, interval_s: float, paths: str = "/peers,/status") -> None:
+        argv = [sys.executable, "-m", "node.watch", "--url", self.control_url, "--interval-s", str(interval_s),
+                "--paths", paths]
+        self.watcher = subprocess.Popen(self.argv_prefix + argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                        start_new_session=True)
+        threading.Thread(target=self._read_watcher, daemon=True).start()
+
+    def _read_watcher(self) -> None:
+        assert self.watcher is not None and self.watcher.stdout is not None
+        for raw in self.watcher.stdout:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if "peers" in line:
+                self.peers = {p["peer_id"]: p["state"] for p in line["peers"]["peers"]}
+            if "status" in line:
+                self.status = line["status"]
+
+    def alive_peers(self) -> list[str]:
+        return sorted(p for p, state in self.peers.items() if state == "alive")
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM each process we started, then SIGKILL whatever is left after the grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+class Swarm:
+    def __init__(self, num_nodes: int, work_dir: Path, *, lab=None, extra_args: list[str] | None = None):
+        self.lab = lab
+        self.extra_args = extra_args or []
+        self.nodes: list[SwarmNode] = []
+        for i in range(num_nodes):
+            if lab is None:
+                prefix, listen, port = [], "/ip4/127.0.0.1/tcp/0", 0
+            else:
+                host = lab.hosts[i]
+                prefix = lab.argv_in(host.name, [])
+                listen, port = f"/ip4/{host.address}/tcp/{NETLAB_PORT}", NETLAB_CONTROL_PORT
+            self.nodes.append(SwarmNode(i, work_dir / f"node{i}", prefix, listen, port))
+        self.started_at = 0.0
+
+    def start(self, watch_interval_s: float = 0.5) -> None:
+        self.started_at = time.monotonic()
+        first = self.nodes[0]
+        first.start(None, self.extra_args)
+        self._wait_ready([first])
+        for node in self.nodes[1:]:
+            node.start(first.addr, self.extra_args)
+        self._wait_ready(self.nodes[1:])
+        for node in self.nodes:
+            node.watch(watch_interval_s)
+
+    def _wait_ready(self, nodes: list[SwarmNode]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for node in nodes:
+            while not node.ready_event.wait(0.2):
+                if node.proc.poll() is not None:
+                    raise RuntimeError(f"node {node.index} exited with {node.proc.returncode} before it was ready; "
+                                       f"see {node.log_path}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node {node.index} not ready within {READY_TIMEOUT_S:.0f} s; see {node.log_path}")
+
+    def update(self) -> None:
+        ids = {n.peer_id for n in self.nodes}
+        for node in self.nodes:
+            if node.seen_all_at is None and set(node.alive_peers()) >= ids - {node.peer_id}:
+                node.seen_all_at = time.monotonic()
+
+    def all_see_all(self) -> bool:
+        return all(n.seen_all_at is not None for n in self.nodes)
+
+    def stop(self) -> None:
+        stop([n.proc for n in self.nodes if n.proc is not None])
+        stop([n.watcher for n in self.nodes if n.watcher is not None], grace_s=1.0)
+        for node in self.nodes:
+            node.exit_code = node.proc.returncode if node.proc else None
+
+    def table(self):
+        from rich.table import Table
+        table = Table(title=f"who sees whom ({time.monotonic() - self.started_at:.0f} s)")
+        table.add_column("node")
+        for n in self.nodes:
+            table.add_column(str(n.index), justify="center")
+        table.add_column("status")
+        marks = {"alive": "[green]●[/]", "suspect": "[yellow]◐[/]", "dead": "[red]✕[/]"}
+        for n in self.nodes:
+            row = [f"{n.index} {n.peer_id[-6:]}"]
+            for m in self.nodes:
+                row.append("·" if m is n else marks.get(n.peers.get(m.peer_id, ""), " "))
+            task = n.status.get("task") or {}
+            row.append(f"round {task.get('round')} loss {task.get('eval_loss')}" if task.get("id") else "")
+            table.add_row(*row)
+        return table
+
+    def report(self) -> dict:
+        return {"nodes": [{
+            "peer_id": n.peer_id, "pid": n.proc.pid if n.proc else None,
+            "peers_seen": n.alive_peers() if n.peers else [],
+            "peers_ever_seen": sorted(n.peers),
+            "seconds_to_see_all": None if n.seen_all_at is None else round(n.seen_all_at - n.ready_at, 2),
+            "exit_code": n.exit_code, "log": str(n.log_path)} for n in self.nodes]}
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console(stderr=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="shoal-swarm-"))
+    lab_cm = None
+    lab = None
+    if args.netlab:
+        from scripts import netlab
+        reason = netlab.unavailable_reason()
+        if reason:
+            console.print(f"local_swarm: {reason}")
+            return 2
+        lab_cm = netlab.open_lab(args.nodes, rate=args.rate)
+        lab = lab_cm.__enter__()
+    swarm = Swarm(args.nodes, work_dir, lab=lab)
+    ok = False
+    try:
+        with netlab_interrupts():
+            console.print(f"starting {args.nodes} nodes in {work_dir} ({'netlab ' + (args.rate or '') if lab else 'loopback'})")
+            swarm.start()
+            deadline = time.monotonic() + args.duration
+            with Live(swarm.table(), console=console, refresh_per_second=2, transient=not console.is_terminal) as live:
+                while time.monotonic() < deadline:
+                    swarm.update()
+                    live.update(swarm.table())
+                    time.sleep(0.5)
+            console.print(swarm.table())
+            ok = True
+    except KeyboardInterrupt:
+        console.print("interrupted; stopping the nodes")
+        ok = True
+    finally:
+        swarm.stop()
+        if lab_cm is not None:
+            lab_cm.__exit__(None, None, None)
+    report = swarm.report()
+    report["seconds"] = round(time.monotonic() - swarm.started_at, 1)
+    text = json.dumps(report, indent=1)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    print(text)
+    everyone = all(len(n["peers_seen"]) == args.nodes - 1 for n in report["nodes"])
+    clean = all(n["exit_code"] == 0 for n in report["nodes"])
+    console.print(f"every node saw the other {args.nodes - 1}: {everyone}; every exit code 0: {clean}")
+    if ok and everyone and clean and not args.keep:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    else:
+        console.print(f"node data and logs kept in {work_dir}")
+    return 0 if (ok and everyone and clean) else 1
+
+
+class netlab_interrupts:
+    """Turn SIGTERM into KeyboardInterrupt so the nodes and any lab are always cleaned up."""
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._old)
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=25.0, help="seconds to run before stopping")
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--netlab", action="store_true", help="run each node in its own network-namespace host")
+    parser.add_argument("--rate", default=None, help="per-host rate limit with --netlab, e.g. 50mbit")
+    parser.add_argument("--keep", action="store_true", help="keep node data dirs and logs")
+    args = parser.parse_args(argv)
+    if not 1 <= args.nodes <= 64:
+        parser.error("--nodes must be between 1 and 64")
+    if args.rate and not args.netlab:
+        parser.error("--rate needs --netlab")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
