@@ -1,5 +1,6 @@
 """Netlab builds isolated, shaped hosts, cuts and heals them, and never leaves anything behind."""
 
+import json
 import os
 import signal
 import subprocess
@@ -64,8 +65,8 @@ def test_hosts_reach_each_other_over_tcp(netlab_factory):
     lab = netlab_factory(2)
     assert netlab.reachable(lab, "h0", "h1")
     assert netlab.reachable(lab, "h1", "h0")
-    shown = lab.run("h1", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"])
-    assert shown.stdout.strip() == ""  # run() passes the caller's environment unchanged
+    shown = lab.run("h0", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"])
+    assert shown.stdout.strip() == lab.host("h0").address
     started = lab.exec("h1", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"], stdout=subprocess.PIPE, text=True)
     assert started.communicate(timeout=10)[0].strip() == lab.host("h1").address
 
@@ -134,12 +135,16 @@ def test_destroy_stops_processes_inside_the_hosts(netlab_factory):
 
 @pytest.mark.slow
 def test_sigterm_during_selftest_removes_its_lab(netlab_session):
-    before = set(netlab.STATE_DIR.glob("*.json")) if netlab.STATE_DIR.is_dir() else set()
     proc = subprocess.Popen([sys.executable, "scripts/netlab.py", "selftest", "--hosts", "2",
                              "--transfer-s", "20"], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+
+    def owned_prefixes() -> list[str]:
+        states = [netlab._read_state(p.stem) for p in netlab.STATE_DIR.glob("*.json")]
+        return [s["prefix"] for s in states if s is not None and s["owner_pid"] == proc.pid]
+
     try:
-        assert wait_for(lambda: set(netlab.STATE_DIR.glob("*.json")) - before, 30)
-        prefix = (set(netlab.STATE_DIR.glob("*.json")) - before).pop().stem
+        assert wait_for(owned_prefixes, 30)
+        prefix = owned_prefixes()[0]
         assert wait_for(lambda: len(leftovers(prefix)) == 3 + 1, 30)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 130
@@ -148,3 +153,32 @@ def test_sigterm_during_selftest_removes_its_lab(netlab_session):
             proc.kill()
             proc.wait(timeout=10)
     assert leftovers(prefix) == []
+
+
+def netlab_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/netlab.py", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_up_cut_heal_status_down(netlab_session):
+    up = netlab_cli("up", "--hosts", "2", "--rate", "20mbit", "--owner-pid", str(os.getpid()))
+    assert up.returncode == 0, up.stderr
+    prefix = json.loads(up.stdout)["prefix"]
+    try:
+        assert netlab_cli("cut", "--prefix", prefix, "h1").returncode == 0
+        labs = {lab["prefix"]: lab for lab in json.loads(netlab_cli("status").stdout)["labs"]}
+        assert [h["cut"] for h in labs[prefix]["hosts"]] == [False, True]
+        assert labs[prefix]["hosts"][0]["up_bits"] == 20_000_000 and labs[prefix]["owner_alive"]
+        assert netlab_cli("heal", "--prefix", prefix, "h1").returncode == 0
+        shown = netlab_cli("exec", "--prefix", prefix, "h1", "--", "sh", "-c", "echo $SHOAL_NETLAB_ADDRESS")
+        assert shown.stdout.strip() == json.loads(up.stdout)["hosts"]["h1"]
+        assert netlab_cli("down", "--prefix", prefix).returncode == 0
+        assert leftovers(prefix) == []
+    finally:
+        if netlab._read_state(prefix) is not None:
+            netlab.Lab.attach(prefix).destroy()
+
+
+def test_cli_names_a_missing_lab_in_one_line(netlab_session):
+    result = netlab_cli("cut", "--prefix", "shlzzzzz", "h0")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "shlzzzzz" in result.stderr
