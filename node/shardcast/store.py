@@ -220,11 +220,13 @@ class ShardStore:
 
     def manifest_ids(self) -> list[bytes]:
         """Stored manifests, oldest first."""
-        def age(mid: bytes) -> tuple[int, bytes]:
+        def age(mid: bytes) -> tuple[int, int, bytes]:
+            # mtimes can tie at the filesystem's clock granularity; the version breaks such ties.
             try:
-                return (self.manifest_dir / f"{mid.hex()}.sealed").stat().st_mtime_ns, mid
+                mtime_ns = (self.manifest_dir / f"{mid.hex()}.sealed").stat().st_mtime_ns
             except FileNotFoundError:
-                return 0, mid
+                mtime_ns = 0
+            return mtime_ns, self._manifests[mid].manifest.version, mid
         return sorted(self._manifests, key=age)
 
     def held_indices(self, manifest_id: bytes) -> set[int]:

@@ -1,0 +1,9 @@
+"""SHARDCAST: verified, multi-source distribution of tensors and files between untrusted peers."""
+
+from node.shardcast.fetcher import FetchProgress
+from node.shardcast.service import MANIFEST_PROTOCOL, TOPIC, ShardcastConfig, ShardcastService, ShardcastStatistics
+from node.shardcast.store import ShardStore
+from node.shardcast.transfer import SHARD_PROTOCOL
+
+__all__ = ["FetchProgress", "MANIFEST_PROTOCOL", "SHARD_PROTOCOL", "TOPIC", "ShardStore", "ShardcastConfig",
+           "ShardcastService", "ShardcastStatistics"]

@@ -1,0 +1,197 @@
+"""One multi-source fetch: rarest shard first, least-loaded non-publisher holder first, re-fetch on failure."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import trio
+
+from protocol.errors import IntegrityError, OversizeError, RemoteProtocolError, TransferTimeout, TransportError
+from protocol.manifest import STATUS_BUSY, STATUS_OK, SignedManifest
+
+from node.shardcast import transfer
+
+if TYPE_CHECKING:
+    from node.shardcast.service import ShardcastService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchProgress:
+    bytes_done: int
+    bytes_total: int
+    bytes_per_s: float
+    """Verified bytes fetched in this call, over its elapsed time (shards already on disk excluded)."""
+    num_sources: int
+    """Distinct peers that delivered at least one verified shard in this call."""
+
+
+class FetchState:
+    """Bookkeeping for one fetch; the service owns holders, limits and statistics."""
+
+    def __init__(self, service: "ShardcastService", signed: SignedManifest,
+                 progress: Callable[[FetchProgress], None] | None):
+        self.svc = service
+        self.signed = signed
+        self.manifest = signed.manifest
+        self.mid = signed.manifest_id
+        self.publisher = signed.signer
+        self.progress = progress
+        self.missing = set(range(self.manifest.num_shards)) - service.store.held_indices(self.mid)
+        self.bytes_done = self.manifest.total_bytes - sum(self.manifest.shard_size(i) for i in self.missing)
+        self.bytes_new = 0
+        self.inflight: dict[int, str] = {}
+        self.refused_at: dict[tuple[int, str], float] = {}
+        self.failed_at: dict[tuple[int, str], float] = {}
+        self.peer_failures: dict[str, int] = {}
+        self.banned: set[str] = set()
+        self.sources: set[str] = set()
+        self.started_at = trio.current_time()
+        self.last_progress_at = self.started_at
+
+    def bytes_per_s(self) -> float:
+        elapsed = trio.current_time() - self.started_at
+        return self.bytes_new / elapsed if elapsed > 0 else 0.0
+
+    async def run(self) -> None:
+        svc, cfg = self.svc, self.svc.config
+        if len(self.missing) < self.manifest.num_shards:
+            svc._mark_dirty(self.mid)
+        last_query_at = -float("inf")
+        async with trio.open_nursery() as nursery:
+            while self.missing:
+                now = trio.current_time()
+                if now - self.last_progress_at > cfg.stall_timeout_s:
+                    raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
+                                          f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
+                changed = svc._changed
+                while len(self.inflight) < cfg.max_downloads:
+                    pick = self._pick(now)
+                    if pick is None:
+                        break
+                    index, peer, fallback = pick
+                    self.inflight[index] = peer
+                    svc._inflight_by_peer[peer] += 1
+                    nursery.start_soon(self._fetch_one, index, peer, fallback)
+                wake_at = now + cfg.query_interval_s
+                starved = len(self.inflight) < min(cfg.max_downloads, len(self.missing))
+                if starved and now - last_query_at >= cfg.query_interval_s:
+                    # Holders we have not heard of (joined before us, gossip lost): ask around.
+                    last_query_at = now
+                    nursery.start_soon(svc.query_peers, self.mid)
+                retry_times = [t + cfg.busy_retry_s for t in self.refused_at.values()]
+                retry_times += [t + cfg.failure_backoff_s for t in self.failed_at.values()]
+                wake_at = min([wake_at, *[t for t in retry_times if t > now]])
+                with trio.move_on_at(wake_at):
+                    await changed.wait()
+            nursery.cancel_scope.cancel()
+
+    def _candidates(self, index: int, now: float) -> list[str]:
+        cfg = self.svc.config
+        connected = set(self.svc.host.connected_peers())
+        out = []
+        for peer, held in self.svc.holders(self.mid).items():
+            if index not in held or peer not in connected or peer in self.banned:
+                continue
+            if self.peer_failures.get(peer, 0) >= cfg.max_failures_per_peer:
+                continue
+            if now - self.refused_at.get((index, peer), -float("inf")) < cfg.busy_retry_s:
+                continue
+            if now - self.failed_at.get((index, peer), -float("inf")) < cfg.failure_backoff_s:
+                continue
+            out.append(peer)
+        return out
+
+    def _pick(self, now: float) -> tuple[int, str, bool] | None:
+        """(shard, holder, fallback) to fetch next, or None if nothing can start now."""
+        best = None
+        for index in self.missing - self.inflight.keys():
+            peers = self._candidates(index, now)
+            if not peers:
+                continue
+            # Rarest first spreads copies; the random tie-break makes receivers begin with different shards.
+            key = (len(peers), random.random())
+            if best is None or key < best[0]:
+                best = (key, index, peers)
+        if best is None:
+            return None
+        _, index, peers = best
+        others = [p for p in peers if p != self.publisher]
+        # The publisher's upload must not grow with the number of receivers: it is the last resort.
+        pool = others or peers
+        load = self.svc._inflight_by_peer
+        peer = min(pool, key=lambda p: (load[p], random.random()))
+        fallback = not others and (index, peer) in self.refused_at
+        return index, peer, fallback
+
+    async def _fetch_one(self, index: int, peer: str, fallback: bool) -> None:
+        svc, cfg = self.svc, self.svc.config
+        stats = svc._stats
+        size = self.manifest.shard_size(index)
+        status = None
+        try:
+            async with svc._download_limiter:
+                stats.downloads_active += 1
+                try:
+                    with trio.fail_after(cfg.stream_open_timeout_s):
+                        stream = await svc.host.open_stream(peer, transfer.SHARD_PROTOCOL)
+                    status = await transfer.fetch_shard(
+                        stream, svc.store, manifest_id=self.mid, index=index,
+                        sha256=self.manifest.shard_hashes[index], nbytes=size,
+                        deadlines=cfg.deadlines(), fallback=fallback)
+                finally:
+                    stats.downloads_active -= 1
+        except (RemoteProtocolError, TransferTimeout) as exc:
+            # Bad bytes or a stall: this holder is done for this fetch, and it costs it score.
+            svc._reject(peer, reject_reason(exc), exc)
+            self.banned.add(peer)
+            stats.download_failures += 1
+        except (TransportError, trio.TooSlowError) as exc:
+            log.debug("shardcast: shard %d from %s failed: %s", index, peer, exc)
+            self.failed_at[(index, peer)] = trio.current_time()
+            self.peer_failures[peer] = self.peer_failures.get(peer, 0) + 1
+            stats.download_failures += 1
+        finally:
+            del self.inflight[index]
+            svc._inflight_by_peer[peer] -= 1
+            if not svc._inflight_by_peer[peer]:
+                del svc._inflight_by_peer[peer]
+            svc._notify()
+        if status == STATUS_OK:
+            self._done(index, peer, size)
+        elif status == STATUS_BUSY:
+            self.refused_at[(index, peer)] = trio.current_time()
+        elif status is not None:
+            svc.forget_holding(self.mid, peer, index)
+            self.failed_at[(index, peer)] = trio.current_time()
+
+    def _done(self, index: int, peer: str, size: int) -> None:
+        svc = self.svc
+        stats = svc._stats
+        self.missing.discard(index)
+        self.bytes_done += size
+        self.bytes_new += size
+        self.sources.add(peer)
+        self.last_progress_at = trio.current_time()
+        stats.shards_fetched += 1
+        stats.bytes_fetched += size
+        stats.bytes_fetched_by_peer[peer] = stats.bytes_fetched_by_peer.get(peer, 0) + size
+        svc._mark_dirty(self.mid)
+        if self.progress is not None:
+            self.progress(FetchProgress(bytes_done=self.bytes_done, bytes_total=self.manifest.total_bytes,
+                                        bytes_per_s=self.bytes_per_s(), num_sources=len(self.sources)))
+
+
+def reject_reason(exc: BaseException) -> str:
+    """The statistics and penalty label for a shard we refused."""
+    if isinstance(exc, OversizeError):
+        return "oversize"
+    if isinstance(exc, IntegrityError):
+        return "bad_hash" if "hash" in str(exc) else "bad_size"
+    if isinstance(exc, TransferTimeout):
+        return "timeout"
+    return "protocol"

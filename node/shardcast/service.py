@@ -1,0 +1,494 @@
+"""ShardcastService: publish, announce, serve and fetch verified shards between untrusted peers."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+from p2p.api import GossipMessage, Host, Stream
+from p2p.framing import recv_message, send_message
+from protocol.envelope import open_sealed, seal
+from protocol.errors import (DecodeError, IntegrityError, OversizeError, RemoteProtocolError, TransferTimeout,
+                             TransportError)
+from protocol.keys import Keypair
+from protocol.manifest import (DEFAULT_SHARD_BYTES, KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
+                               STATUS_MISSING, STATUS_OK, Have, Manifest, ManifestRequest, ManifestResponse,
+                               SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
+                               make_manifest, open_manifest, seal_manifest)
+
+from node.shardcast import transfer
+from node.shardcast.fetcher import FetchProgress, FetchState
+from node.shardcast.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+TOPIC = "shoal/shards/1"
+MANIFEST_PROTOCOL = "/shoal/manifest/1"
+_RESPONSE_MAX_BYTES = MAX_MANIFEST_BYTES + 64 * 1024
+_MAX_HOLDERS_PER_MANIFEST = 4096
+
+
+@dataclass(kw_only=True)
+class ShardcastConfig:
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    max_uploads: int = 4
+    """Concurrent shard uploads; a request past it is answered "busy" at once, never queued."""
+    max_downloads: int = 4
+    inactivity_s: float = 10.0
+    base_deadline_s: float = 5.0
+    min_rate_bytes_per_s: float = 5e6
+    stream_open_timeout_s: float = 10.0
+    have_interval_s: float = 0.1
+    """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""
+    reannounce_interval_s: float = 30.0
+    busy_retry_s: float = 1.0
+    """After a holder answers "busy", skip it for this shard this long (and then ask a seeder with fallback)."""
+    failure_backoff_s: float = 5.0
+    max_failures_per_peer: int = 3
+    query_interval_s: float = 2.0
+    stall_timeout_s: float = 60.0
+    """A fetch fails with TransferTimeout after this long without a new verified shard."""
+    keep_manifests: int = 3
+    max_known_manifests: int = 64
+
+    def deadlines(self) -> transfer.Deadlines:
+        return transfer.Deadlines(inactivity_s=self.inactivity_s, base_s=self.base_deadline_s,
+                                  min_rate_bytes_per_s=self.min_rate_bytes_per_s)
+
+
+@dataclass(kw_only=True)
+class ShardcastStatistics:
+    bytes_served: int = 0
+    bytes_fetched: int = 0
+    shards_served: int = 0
+    shards_fetched: int = 0
+    bytes_served_by_peer: dict[str, int] = field(default_factory=dict)
+    bytes_fetched_by_peer: dict[str, int] = field(default_factory=dict)
+    shards_rejected: dict[str, int] = field(default_factory=dict)
+    """Shards we refused from peers, by reason: bad_hash, bad_size, oversize, protocol, timeout."""
+    uploads_refused_busy: int = 0
+    upload_failures: int = 0
+    download_failures: int = 0
+    gossip_rejected: int = 0
+    uploads_active: int = 0
+    downloads_active: int = 0
+    last_fetch_bytes_per_s: float = 0.0
+
+
+@dataclass
+class _Seed:
+    """A manifest this node published: serve each shard once before serving duplicates."""
+
+    served: list[int]
+    inflight: set[int] = field(default_factory=set)
+
+    def may_serve(self, index: int, fallback: bool) -> bool:
+        if index in self.inflight:
+            return False
+        return self.served[index] == 0 or fallback
+
+
+class ShardcastService:
+    """One node's SHARDCAST: construct it, then ``await nursery.start(service.run)``."""
+
+    def __init__(self, host: Host, keypair: Keypair, store: ShardStore, *,
+                 penalize: Callable[[str, str], None] | None = None,
+                 config: ShardcastConfig | None = None):
+        self.host = host
+        self.keypair = keypair
+        self.store = store
+        self.config = config or ShardcastConfig()
+        self._penalize = penalize or (lambda peer_id, reason: None)
+        self._stats = ShardcastStatistics()
+        self._known: OrderedDict[bytes, SignedManifest] = OrderedDict()
+        self._holders: OrderedDict[bytes, dict[str, set[int]]] = OrderedDict()
+        self._seeds: dict[bytes, _Seed] = {}
+        self._active_fetches: Counter[bytes] = Counter()
+        self._inflight_by_peer: Counter[str] = Counter()
+        self._dirty: set[bytes] = set()
+        self._announce_wakeup = trio.Event()
+        self._changed = trio.Event()
+        self._upload_limiter = trio.CapacityLimiter(self.config.max_uploads)
+        self._download_limiter = trio.CapacityLimiter(self.config.max_downloads)
+        self._gc_lock = trio.Lock()
+        self._running = False
+
+    # lifecycle
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve shards and manifests, follow the gossip topic, announce holdings; never returns."""
+        self.host.set_stream_handler(transfer.SHARD_PROTOCOL, self._serve_shard)
+        self.host.set_stream_handler(MANIFEST_PROTOCOL, self._serve_manifest)
+        gossip = self.host.subscribe(TOPIC, validator=self._validate_gossip)
+        # After a restart, tell the swarm what survived on disk.
+        self._dirty.update(self.store.manifest_ids())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._consume_gossip, gossip)
+            nursery.start_soon(self._announce_loop)
+            self._running = True
+            task_status.started()
+
+    def statistics(self) -> ShardcastStatistics:
+        s = self._stats
+        return replace(s, bytes_served_by_peer=dict(s.bytes_served_by_peer),
+                       bytes_fetched_by_peer=dict(s.bytes_fetched_by_peer), shards_rejected=dict(s.shards_rejected))
+
+    def _notify(self) -> None:
+        """Wake every fetch waiting for news (a Have, a finished transfer)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # publishing
+
+    async def publish_tensors(self, tensors, *, label: str = "", version: int | None = None) -> Manifest:
+        """Store ``tensors`` (a dict of torch tensors) as shards, sign and announce their manifest."""
+        from node.shardcast.tensors import tensors_to_blob  # torch only where tensors are used
+        blob, entries = await trio.to_thread.run_sync(tensors_to_blob, tensors)
+        cfg = self.config
+
+        def work() -> SignedManifest:
+            m = build_manifest(blob, shard_bytes=cfg.shard_bytes, kind=KIND_TENSORS, label=label,
+                               version=self._version(version), tensors=entries)
+            view = memoryview(blob)
+            for i in range(m.num_shards):
+                start, end = m.shard_range(i)
+                self.store.put_shard(view[start:end])
+            return self._sign_and_store(m)
+
+        return await self._publish(work)
+
+    async def publish_file(self, path: Path | str, *, label: str | None = None,
+                           version: int | None = None) -> Manifest:
+        """Store a file (a safetensors file, or any file) as shards; sign and announce its manifest."""
+        path = Path(path)
+        cfg = self.config
+
+        def work() -> SignedManifest:
+            hashes = []
+            total = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(cfg.shard_bytes):
+                    hashes.append(self.store.put_shard(chunk))
+                    total += len(chunk)
+            m = make_manifest(kind=KIND_FILE, label=path.name if label is None else label,
+                              version=self._version(version), total_bytes=total, shard_bytes=cfg.shard_bytes,
+                              shard_hashes=hashes)
+            return self._sign_and_store(m)
+
+        return await self._publish(work)
+
+    def _version(self, version: int | None) -> int:
+        return time.time_ns() // 1000 if version is None else version
+
+    def _sign_and_store(self, m: Manifest) -> SignedManifest:
+        signed = seal_manifest(m, self.keypair)
+        self.store.put_manifest(signed)
+        return signed
+
+    async def _publish(self, work) -> Manifest:
+        assert self._running, "start the service with nursery.start(service.run) first"
+        # The GC lock keeps freshly written shards from being collected before their manifest exists.
+        async with self._gc_lock:
+            signed = await trio.to_thread.run_sync(work)
+        self._seeds[signed.manifest_id] = _Seed(served=[0] * signed.manifest.num_shards)
+        self._remember(signed)
+        await self._gossip(signed.sealed)
+        self._mark_dirty(signed.manifest_id)
+        await self._gc()
+        return signed.manifest
+
+    # reading back
+
+    def load_tensors(self, manifest: Manifest) -> dict:
+        """The manifest's tensors as CPU tensors sharing one buffer; re-verifies every shard (blocking)."""
+        from node.shardcast.tensors import blob_to_tensors
+        if manifest.kind != KIND_TENSORS:
+            raise ValueError(f"manifest {manifest.label!r} holds a file, not tensors: use export_file")
+        return blob_to_tensors(self._assemble(manifest), manifest.tensors)
+
+    def export_file(self, manifest: Manifest, path: Path | str) -> None:
+        """Write the manifest's content to ``path`` atomically (blocking)."""
+        import os
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.shardcast.tmp")
+        with open(tmp, "wb") as f:
+            for h in manifest.shard_hashes:
+                f.write(self.store.read_shard(h))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _assemble(self, manifest: Manifest) -> bytearray:
+        blob = bytearray(manifest.total_bytes)
+        for i, h in enumerate(manifest.shard_hashes):
+            start, end = manifest.shard_range(i)
+            blob[start:end] = self.store.read_shard(h)
+        return blob
+
+    # fetching
+
+    async def fetch(self, manifest_id: bytes, *, progress: Callable[[FetchProgress], None] | None = None) -> Manifest:
+        """Fetch every shard of a manifest from whoever holds them; returns it once all are verified on disk.
+
+        TransferTimeout if the manifest cannot be found, or no shard arrives for stall_timeout_s.
+        """
+        assert self._running, "start the service with nursery.start(service.run) first"
+        self._active_fetches[manifest_id] += 1
+        try:
+            signed = await self._resolve_manifest(manifest_id)
+            await trio.to_thread.run_sync(self.store.put_manifest, signed)
+            state = FetchState(self, signed, progress)
+            await state.run()
+            self._stats.last_fetch_bytes_per_s = state.bytes_per_s()
+        finally:
+            self._active_fetches[manifest_id] -= 1
+            if not self._active_fetches[manifest_id]:
+                del self._active_fetches[manifest_id]
+        self._mark_dirty(manifest_id)
+        await self._gc()
+        return signed.manifest
+
+    async def _resolve_manifest(self, manifest_id: bytes) -> SignedManifest:
+        deadline = trio.current_time() + self.config.stall_timeout_s
+        while True:
+            signed = self.store.get_manifest(manifest_id) or self._known.get(manifest_id)
+            if signed is not None:
+                return signed
+            if trio.current_time() >= deadline:
+                raise TransferTimeout(f"manifest {manifest_id.hex()[:16]} not found on any connected peer")
+            changed = self._changed
+            await self.query_peers(manifest_id)
+            if manifest_id in self._known:
+                continue
+            with trio.move_on_after(self.config.query_interval_s):
+                await changed.wait()
+
+    async def query_peers(self, manifest_id: bytes) -> None:
+        """Ask every connected peer for the manifest and its bitfield, in parallel, each bounded."""
+        async with trio.open_nursery() as nursery:
+            for peer in self.host.connected_peers():
+                nursery.start_soon(self._query_one, peer, manifest_id)
+
+    async def _query_one(self, peer: str, manifest_id: bytes) -> None:
+        cfg = self.config
+        try:
+            with trio.fail_after(cfg.stream_open_timeout_s + 2 * cfg.inactivity_s):
+                stream = await self.host.open_stream(peer, MANIFEST_PROTOCOL)
+                try:
+                    await send_message(stream, ManifestRequest(manifest_id=manifest_id))
+                    await stream.close_write()
+                    resp = await recv_message(stream, _RESPONSE_MAX_BYTES, expect=ManifestResponse)
+                    await stream.close()
+                except BaseException:
+                    await transfer.abort(stream)
+                    raise
+        except (TransportError, trio.TooSlowError):
+            return
+        except RemoteProtocolError as exc:
+            self._reject(peer, "protocol", exc)
+            return
+        if resp is None:
+            return
+        try:
+            if resp.sealed_manifest and manifest_id not in self._known:
+                self._remember(open_manifest(resp.sealed_manifest, expected_id=manifest_id))
+            signed = self._known.get(manifest_id) or self.store.get_manifest(manifest_id)
+            if resp.bitfield and signed is not None:
+                n = signed.manifest.num_shards
+                if len(resp.bitfield) != (n + 7) // 8:
+                    raise DecodeError("bitfield length does not match the manifest")
+                self._record_holder(manifest_id, peer, bitfield_indices(resp.bitfield, n))
+        except RemoteProtocolError as exc:
+            self._reject(peer, "protocol", exc)
+
+    def _reject(self, peer: str, reason: str, exc: BaseException) -> None:
+        log.info("shardcast: rejected %s from %s: %s", reason, peer, exc)
+        self._stats.shards_rejected[reason] = self._stats.shards_rejected.get(reason, 0) + 1
+        self._penalize(peer, reason)
+
+    # availability
+
+    def _remember(self, signed: SignedManifest) -> None:
+        self._known[signed.manifest_id] = signed
+        self._known.move_to_end(signed.manifest_id)
+        while len(self._known) > self.config.max_known_manifests:
+            self._known.popitem(last=False)
+        self._notify()
+
+    def _record_holder(self, manifest_id: bytes, peer: str, indices: set[int]) -> None:
+        if peer == self.host.peer_id:
+            return
+        holders = self._holders.get(manifest_id)
+        if holders is None:
+            holders = self._holders[manifest_id] = {}
+            while len(self._holders) > self.config.max_known_manifests:
+                oldest = next(iter(self._holders))
+                if oldest in self._active_fetches:
+                    self._holders.move_to_end(oldest)
+                    break
+                del self._holders[oldest]
+        if peer in holders or len(holders) < _MAX_HOLDERS_PER_MANIFEST:
+            holders[peer] = indices
+        self._notify()
+
+    def holders(self, manifest_id: bytes) -> dict[str, set[int]]:
+        return self._holders.get(manifest_id, {})
+
+    def forget_holding(self, manifest_id: bytes, peer: str, index: int) -> None:
+        self._holders.get(manifest_id, {}).get(peer, set()).discard(index)
+
+    def _mark_dirty(self, manifest_id: bytes) -> None:
+        self._dirty.add(manifest_id)
+        self._announce_wakeup.set()
+
+    async def _announce_loop(self) -> None:
+        cfg = self.config
+        next_full = trio.current_time() + cfg.reannounce_interval_s
+        while True:
+            with trio.move_on_at(next_full):
+                await self._announce_wakeup.wait()
+            self._announce_wakeup = trio.Event()
+            if trio.current_time() >= next_full:
+                next_full = trio.current_time() + cfg.reannounce_interval_s
+                self._dirty.update(self.store.manifest_ids()[-cfg.keep_manifests:])
+            dirty, self._dirty = self._dirty, set()
+            for mid in dirty:
+                await self._announce_have(mid)
+            await trio.sleep(cfg.have_interval_s)
+
+    async def _announce_have(self, manifest_id: bytes) -> None:
+        signed = self.store.get_manifest(manifest_id)
+        if signed is None:
+            return
+        n = signed.manifest.num_shards
+        held = self.store.held_indices(manifest_id)
+        if held:
+            have = Have(manifest_id=manifest_id, num_shards=n, bitfield=bitfield_from_indices(n, held))
+            await self._gossip(seal(have, self.keypair))
+
+    async def _gossip(self, data: bytes) -> None:
+        try:
+            await self.host.publish(TOPIC, data)
+        except TransportError as exc:
+            log.warning("shardcast: gossip publish failed: %s", exc)
+
+    def _validate_gossip(self, msg: GossipMessage) -> bool:
+        try:
+            signed = open_sealed(msg.data, expect=(Manifest, Have))
+        except RemoteProtocolError:
+            self._stats.gossip_rejected += 1
+            return False
+        # A Have speaks for its signer only: a relayed copy must still come from that signer's publish.
+        if isinstance(signed.message, Have) and signed.signer != msg.origin:
+            self._stats.gossip_rejected += 1
+            return False
+        return True
+
+    async def _consume_gossip(self, gossip: trio.MemoryReceiveChannel[GossipMessage]) -> None:
+        async for msg in gossip:
+            try:
+                signed = open_sealed(msg.data, expect=(Manifest, Have))
+            except RemoteProtocolError:
+                self._stats.gossip_rejected += 1
+                continue
+            if isinstance(signed.message, Manifest):
+                self._remember(open_manifest(msg.data))
+            else:
+                have: Have = signed.message
+                known = self._known.get(have.manifest_id) or self.store.get_manifest(have.manifest_id)
+                if known is not None and known.manifest.num_shards != have.num_shards:
+                    self._stats.gossip_rejected += 1
+                    continue
+                self._record_holder(have.manifest_id, signed.signer, bitfield_indices(have.bitfield, have.num_shards))
+
+    # serving
+
+    async def _serve_manifest(self, stream: Stream) -> None:
+        try:
+            with trio.fail_after(2 * self.config.inactivity_s):
+                req = await recv_message(stream, 1024, expect=ManifestRequest)
+                if req is None:
+                    return
+                signed = self.store.get_manifest(req.manifest_id) or self._known.get(req.manifest_id)
+                held = self.store.held_indices(req.manifest_id)
+                n = signed.manifest.num_shards if signed else 0
+                await send_message(stream, ManifestResponse(
+                    sealed_manifest=signed.sealed if signed else b"",
+                    bitfield=bitfield_from_indices(n, held) if held else b""))
+                await stream.close()
+        except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
+            log.debug("shardcast: manifest request from %s failed: %s", stream.remote_peer, exc)
+            await transfer.abort(stream)
+
+    async def _serve_shard(self, stream: Stream) -> None:
+        cfg = self.config
+        peer = stream.remote_peer
+        try:
+            req = await transfer.read_request(stream, cfg.deadlines())
+        except (RemoteProtocolError, TransportError) as exc:
+            log.debug("shardcast: bad shard request from %s: %s", peer, exc)
+            await transfer.abort(stream)
+            return
+        signed = self.store.get_manifest(req.manifest_id)
+        m = signed.manifest if signed else None
+        if m is None or req.index >= m.num_shards or not self.store.has_shard(m.shard_hashes[req.index]):
+            await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
+            return
+        seed = self._seeds.get(req.manifest_id)
+        if seed is not None and not seed.may_serve(req.index, req.fallback):
+            self._stats.uploads_refused_busy += 1
+            await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
+            return
+        try:
+            self._upload_limiter.acquire_nowait()
+        except trio.WouldBlock:
+            self._stats.uploads_refused_busy += 1
+            await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
+            return
+        sha = m.shard_hashes[req.index]
+        stats = self._stats
+        stats.uploads_active += 1
+        if seed is not None:
+            seed.inflight.add(req.index)
+
+        def count(nbytes: int) -> None:
+            stats.bytes_served += nbytes
+            stats.bytes_served_by_peer[peer] = stats.bytes_served_by_peer.get(peer, 0) + nbytes
+
+        try:
+            result = await transfer.send_shard(stream, req, path=self.store.shard_path(sha), sha256=sha,
+                                               nbytes=m.shard_size(req.index), deadlines=cfg.deadlines(),
+                                               on_bytes=count)
+            if result.disk_corrupt:
+                log.warning("shardcast: shard %s was corrupt on disk; dropped", sha.hex()[:16])
+                self.store.drop_shard(sha)
+            elif result.ok:
+                stats.shards_served += 1
+                if seed is not None:
+                    seed.served[req.index] += 1
+        except (RemoteProtocolError, TransportError, OSError) as exc:
+            stats.upload_failures += 1
+            log.debug("shardcast: upload of shard %d to %s failed: %s", req.index, peer, exc)
+        finally:
+            stats.uploads_active -= 1
+            self._upload_limiter.release()
+            if seed is not None:
+                seed.inflight.discard(req.index)
+
+    # housekeeping
+
+    async def _gc(self) -> None:
+        async with self._gc_lock:
+            protect = set(self._active_fetches)
+            await trio.to_thread.run_sync(
+                lambda: self.store.gc(keep_manifests=self.config.keep_manifests, protect=protect))
+        # Seeding bookkeeping only matters while the manifest is still stored.
+        for mid in [m for m in self._seeds if self.store.get_manifest(m) is None]:
+            del self._seeds[mid]

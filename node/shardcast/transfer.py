@@ -1,0 +1,193 @@
+"""One shard over one stream: request, header, raw chunks, half-close, the receiver verifies and acks.
+
+Both sides bound every read and write by an inactivity deadline, and the whole exchange by
+``base_s + nbytes / min_rate_bytes_per_s``. The sender keeps the stream open until the ack
+arrives, because yamux drops data the peer has not read when a connection goes down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+from p2p.api import Stream
+from p2p.framing import recv_message, send_message
+from protocol.errors import (DecodeError, IntegrityError, OversizeError, RemoteProtocolError, StreamClosed,
+                             TransferTimeout)
+from protocol.manifest import STATUS_OK, ShardAck, ShardHeader, ShardRequest
+
+from node.shardcast.store import ShardStore
+
+SHARD_PROTOCOL = "/shoal/shard/1"
+CHUNK_BYTES = 1 << 20
+CONTROL_MAX_BYTES = 4096
+"""Request, header and ack are ~100 bytes; anything near this cap is junk."""
+CLEANUP_S = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deadlines:
+    inactivity_s: float = 10.0
+    base_s: float = 5.0
+    min_rate_bytes_per_s: float = 5e6
+
+    def overall_s(self, nbytes: int) -> float:
+        return self.base_s + nbytes / self.min_rate_bytes_per_s
+
+
+async def _step(deadlines: Deadlines, awaitable):
+    """One read or write, bounded by the inactivity deadline."""
+    with trio.fail_after(deadlines.inactivity_s):
+        return await awaitable
+
+
+async def abort(stream: Stream) -> None:
+    """Reset the stream, bounded and shielded: cleanup must finish even while being cancelled."""
+    with trio.move_on_after(CLEANUP_S, shield=True):
+        try:
+            await stream.reset()
+        except StreamClosed:
+            pass
+
+
+async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, index: int, sha256: bytes,
+                      nbytes: int, deadlines: Deadlines, fallback: bool = False) -> str:
+    """Ask for one shard and store it verified; returns the holder's status ("ok", "busy", "missing").
+
+    Raises IntegrityError, OversizeError or DecodeError when the holder sent something we refuse
+    (its fault), TransferTimeout when it went quiet, StreamClosed when the stream died. The
+    stream is closed (or reset on failure) before returning.
+    """
+    writer = None
+    try:
+        with trio.fail_after(deadlines.overall_s(nbytes)):
+            await _step(deadlines, send_message(stream, ShardRequest(manifest_id=manifest_id, index=index,
+                                                                      fallback=fallback)))
+            header = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardHeader))
+            if header is None:
+                raise StreamClosed("stream ended before the shard header")
+            if header.manifest_id != manifest_id or header.index != index:
+                raise DecodeError(f"asked for shard {index}, got a header for shard {header.index}")
+            if header.status != STATUS_OK:
+                await _step(deadlines, stream.close())
+                return header.status
+            if header.nbytes != nbytes or header.sha256 != sha256:
+                raise IntegrityError(f"header promises {header.nbytes} bytes / another hash; "
+                                     f"the manifest says {nbytes} bytes")
+            writer = store.shard_writer(sha256, nbytes)
+            while writer.received_bytes < nbytes:
+                chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - writer.received_bytes)))
+                if not chunk:
+                    raise IntegrityError(f"shard ended after {writer.received_bytes} of {nbytes} bytes")
+                writer.write(chunk)
+            if await _step(deadlines, stream.read(1)):
+                raise OversizeError(f"holder sent more than the announced {nbytes} bytes")
+            try:
+                writer.verify()
+            except IntegrityError as exc:
+                await _send_nack(stream, manifest_id, index, str(exc))
+                raise
+            await trio.to_thread.run_sync(writer.commit)
+            writer = None
+        # The shard is verified and stored: a lost ack only costs the holder its bookkeeping.
+        with trio.move_on_after(deadlines.inactivity_s):
+            try:
+                await send_message(stream, ShardAck(manifest_id=manifest_id, index=index, ok=True, reason=""))
+                await stream.close()
+            except StreamClosed:
+                pass
+        return STATUS_OK
+    except trio.TooSlowError:
+        await abort(stream)
+        raise TransferTimeout(f"shard {index} stalled past its deadline") from None
+    except BaseException:
+        await abort(stream)
+        raise
+    finally:
+        if writer is not None:
+            writer.abort()
+
+
+async def _send_nack(stream: Stream, manifest_id: bytes, index: int, reason: str) -> None:
+    with trio.move_on_after(CLEANUP_S):
+        try:
+            await send_message(stream, ShardAck(manifest_id=manifest_id, index=index, ok=False, reason=reason[:200]))
+        except StreamClosed:
+            pass
+
+
+async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
+    """The requester's ShardRequest; StreamClosed, DecodeError or TransferTimeout otherwise."""
+    try:
+        req = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardRequest))
+    except trio.TooSlowError:
+        raise TransferTimeout("no shard request") from None
+    if req is None:
+        raise StreamClosed("stream ended before the shard request")
+    return req
+
+
+async def refuse(stream: Stream, req: ShardRequest, status: str, deadlines: Deadlines) -> None:
+    """Answer with a header carrying ``status`` and no data, then close."""
+    try:
+        with trio.fail_after(deadlines.inactivity_s):
+            await send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index, status=status,
+                                                   nbytes=0, sha256=b""))
+            await stream.close()
+    except (trio.TooSlowError, StreamClosed):
+        await abort(stream)
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    ok: bool
+    """The receiver acked the shard as verified."""
+    bytes_sent: int
+    disk_corrupt: bool
+    """What we read from disk did not match its hash: the caller drops the shard."""
+
+
+async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: bytes, nbytes: int,
+                     deadlines: Deadlines, on_bytes: Callable[[int], None] | None = None) -> SendResult:
+    """Serve one shard from ``path`` and wait for the receiver's ack before closing.
+
+    Raises TransferTimeout, StreamClosed or a RemoteProtocolError; the stream is reset then.
+    """
+    sent = 0
+    digest = hashlib.sha256()
+    try:
+        with trio.fail_after(deadlines.overall_s(nbytes)):
+            await _step(deadlines, send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index,
+                                                                     status=STATUS_OK, nbytes=nbytes, sha256=sha256)))
+            with open(path, "rb") as f:
+                while sent < nbytes:
+                    chunk = f.read(min(CHUNK_BYTES, nbytes - sent))
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    await _step(deadlines, stream.write(chunk))
+                    sent += len(chunk)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
+            await _step(deadlines, stream.close_write())
+            ack = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardAck))
+        if ack is None:
+            raise StreamClosed("receiver closed without an ack")
+        if ack.manifest_id != req.manifest_id or ack.index != req.index:
+            raise DecodeError("ack for another shard")
+        with trio.move_on_after(deadlines.inactivity_s):
+            try:
+                await stream.close()
+            except StreamClosed:
+                pass
+        return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=digest.digest() != sha256 or sent != nbytes)
+    except trio.TooSlowError:
+        await abort(stream)
+        raise TransferTimeout(f"shard {req.index}: receiver stalled") from None
+    except (RemoteProtocolError, StreamClosed, OSError):
+        await abort(stream)
+        raise

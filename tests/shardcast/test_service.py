@@ -1,0 +1,215 @@
+"""ShardcastService on the FakeNetwork: publish/fetch, discovery by id, hostile holders, deaths, restarts, load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import trio
+
+from p2p.framing import send_message
+from protocol.envelope import seal
+from protocol.manifest import STATUS_OK, Have, ShardHeader, bitfield_from_indices, manifest_id
+
+from node.shardcast import TOPIC, ShardcastConfig, transfer
+from tests.shardcast.conftest import FAST, wait_until
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(64, 96, generator=g),
+        "b16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "h": torch.randn(7, 5, generator=g).half(),
+        "idx": torch.arange(10, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+async def _mesh_ready(nodes):
+    for a in nodes:
+        for b in nodes:
+            if a is not b:
+                await a.host.wait_for_topic_peer(TOPIC, b.peer_id)
+
+
+async def test_tensors_round_trip_between_two_nodes(swarm):
+    pub = await swarm.add("pub")
+    rx = await swarm.add("rx")
+    tensors = _tensors()
+    with trio.fail_after(20):
+        await _mesh_ready([pub, rx])
+        m = await pub.service.publish_tensors(tensors, label="theta-1")
+        seen = []
+        got = await rx.service.fetch(manifest_id(m), progress=seen.append)
+    assert got == m and m.kind == "tensors" and m.label == "theta-1"
+    loaded = rx.service.load_tensors(got)
+    assert list(loaded) == list(tensors)
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
+        assert torch.equal(loaded[name], t), name
+    assert seen[-1].bytes_done == seen[-1].bytes_total == m.total_bytes and seen[-1].num_sources == 1
+    stats = rx.service.statistics()
+    assert stats.bytes_fetched == m.total_bytes and stats.bytes_fetched_by_peer == {pub.peer_id: m.total_bytes}
+    assert pub.service.statistics().shards_served == m.num_shards
+
+
+async def test_file_round_trip_by_id_without_gossip(swarm, tmp_path):
+    pub = await swarm.add("pub")
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(os.urandom(100_000))
+    with trio.fail_after(20):
+        m = await pub.service.publish_file(src)
+        # A latecomer missed the gossip: it finds manifest and holders over /shoal/manifest/1.
+        late = await swarm.add("late")
+        got = await late.service.fetch(manifest_id(m))
+    assert got.label == "model.safetensors" and got.kind == "file"
+    out = tmp_path / "copy.safetensors"
+    late.service.export_file(got, out)
+    assert out.read_bytes() == src.read_bytes()
+    with pytest.raises(ValueError):
+        late.service.load_tensors(got)
+
+
+async def test_unknown_manifest_times_out(swarm):
+    node = await swarm.add("alone", config=ShardcastConfig(**{**FAST, "stall_timeout_s": 0.5}))
+    with trio.fail_after(10), pytest.raises(TimeoutError):
+        await node.service.fetch(b"\x01" * 32)
+
+
+async def test_hostile_holder_is_penalized_and_fetch_completes(swarm):
+    """Scenario 1: a holder announces everything and serves corrupt bytes."""
+    pub = await swarm.add("pub")
+    evil = await swarm.add("evil")
+    rx = await swarm.add("rx")
+    with trio.fail_after(30):
+        await _mesh_ready([pub, evil, rx])
+        m = await pub.service.publish_tensors(_tensors())
+        mid = manifest_id(m)
+        served_bad = []
+
+        async def corrupt(stream):
+            req = await transfer.read_request(stream, transfer.Deadlines())
+            size = m.shard_size(req.index)
+            await send_message(stream, ShardHeader(manifest_id=mid, index=req.index, status=STATUS_OK,
+                                                   nbytes=size, sha256=m.shard_hashes[req.index]))
+            await stream.write(os.urandom(size))
+            await stream.close_write()
+            served_bad.append(req.index)
+            await stream.read(1024)
+
+        evil.host.set_stream_handler(transfer.SHARD_PROTOCOL, corrupt)
+        await evil.host.publish(TOPIC, seal(Have(manifest_id=mid, num_shards=m.num_shards,
+                                                 bitfield=bitfield_from_indices(m.num_shards, range(m.num_shards))),
+                                            evil.keypair))
+        await wait_until(lambda: evil.peer_id in rx.service.holders(mid))
+        got = await rx.service.fetch(mid)
+    assert torch.equal(rx.service.load_tensors(got)["w"], _tensors()["w"])
+    assert served_bad, "the receiver should have preferred the non-publisher holder first"
+    assert (evil.peer_id, "bad_hash") in rx.penalties
+    assert all(p == evil.peer_id for p, _ in rx.penalties)
+    stats = rx.service.statistics()
+    assert stats.shards_rejected.get("bad_hash", 0) >= 1 and evil.peer_id not in stats.bytes_fetched_by_peer
+
+
+@pytest.mark.slow
+async def test_source_dies_mid_transfer_receivers_finish_from_each_other(swarm):
+    """Scenario 2: once every shard has a verified copy somewhere, losing the source costs nothing."""
+    cfg = ShardcastConfig(**{**FAST, "max_uploads": 1, "min_rate_bytes_per_s": 1e6})
+    pub = await swarm.add("pub", config=cfg)
+    rxs = [await swarm.add(f"rx{i}", config=cfg) for i in range(3)]
+    data = os.urandom(40 * 16 * 1024)
+    results = {}
+    with trio.fail_after(60):
+        await _mesh_ready([pub, *rxs])
+        path = swarm.tmp_path / "blob.bin"
+        path.write_bytes(data)
+        m = await pub.service.publish_file(path)
+        mid = manifest_id(m)
+
+        def covered():
+            held = set().union(*(r.store.held_indices(mid) for r in rxs))
+            return len(held) == m.num_shards
+
+        async with trio.open_nursery() as n:
+            for r in rxs:
+                async def go(r=r):
+                    results[r.name] = await r.service.fetch(mid)
+                n.start_soon(go)
+            await wait_until(covered)
+            incomplete = [r for r in rxs if len(r.store.held_indices(mid)) < m.num_shards]
+            swarm.network.kill(pub.peer_id)
+            await pub.stop()
+    assert incomplete, "the source should die while receivers are still fetching"
+    for r in rxs:
+        out = swarm.tmp_path / f"{r.name}.bin"
+        r.service.export_file(results[r.name], out)
+        assert out.read_bytes() == data
+    assert not any(r.penalties for r in rxs)
+
+
+async def test_restarted_receiver_resumes_from_verified_shards(swarm):
+    """Scenario 3: stop mid-fetch, corrupt one stored shard, restart: only the missing bytes move."""
+    pub = await swarm.add("pub", config=ShardcastConfig(**{**FAST, "max_uploads": 1}))
+    rx = await swarm.add("rx", config=ShardcastConfig(**{**FAST, "max_downloads": 1}))
+    data = os.urandom(20 * 16 * 1024)
+    path = swarm.tmp_path / "blob.bin"
+    path.write_bytes(data)
+    with trio.fail_after(30):
+        await _mesh_ready([pub, rx])
+        m = await pub.service.publish_file(path)
+        mid = manifest_id(m)
+        with trio.CancelScope() as scope:
+            def stop_halfway(p):
+                if p.bytes_done >= m.total_bytes // 2:
+                    scope.cancel()
+            await rx.service.fetch(mid, progress=stop_halfway)
+        await rx.stop()
+        held = rx.store.held_indices(mid)
+        assert 0 < len(held) < m.num_shards
+        victim = m.shard_hashes[min(held)]
+        rx.store.shard_path(victim).write_bytes(b"\0" * m.shard_size(min(held)))
+
+        rx2 = await swarm.add("rx", data_dir=rx.data_dir)
+        assert rx2.store.last_open_report.shards_corrupt == 1
+        got = await rx2.service.fetch(mid)
+    expected = sum(m.shard_size(i) for i in range(m.num_shards) if i not in held) + m.shard_size(min(held))
+    assert rx2.service.statistics().bytes_fetched == expected
+    out = swarm.tmp_path / "out.bin"
+    rx2.service.export_file(got, out)
+    assert out.read_bytes() == data
+
+
+@pytest.mark.slow
+async def test_publisher_uploads_about_one_copy_for_four_receivers(swarm):
+    """Scenario 5: the first source's upload must not grow with the number of receivers."""
+    pub = await swarm.add("pub")
+    rxs = [await swarm.add(f"rx{i}") for i in range(4)]
+    tensors = {"w": torch.randn(64 * 16 * 1024 // 4)}  # 64 shards of 16 KiB
+    with trio.fail_after(60):
+        await _mesh_ready([pub, *rxs])
+        m = await pub.service.publish_tensors(tensors)
+        async with trio.open_nursery() as n:
+            for r in rxs:
+                n.start_soon(r.service.fetch, manifest_id(m))
+    served = pub.service.statistics().bytes_served
+    ratio = served / m.total_bytes
+    print(f"publisher upload ratio for 4 receivers: {ratio:.2f}")
+    assert ratio <= 1.5
+    for r in rxs:
+        assert torch.equal(r.service.load_tensors(m)["w"], tensors["w"])
+        assert r.service.statistics().bytes_fetched == m.total_bytes
+
+
+async def test_service_gc_keeps_last_versions(swarm):
+    pub = await swarm.add("pub", config=ShardcastConfig(**{**FAST, "keep_manifests": 2}))
+    manifests = []
+    with trio.fail_after(20):
+        for v in range(4):
+            manifests.append(await pub.service.publish_tensors({"w": torch.full((5000,), float(v))}, version=v))
+    kept = pub.store.manifest_ids()
+    assert [manifest_id(x) for x in manifests[-2:]] == kept
+    assert pub.store.num_shards() == sum(x.num_shards for x in manifests[-2:])

@@ -1,0 +1,193 @@
+"""One shard over one stream on the FakeNetwork: happy path, hostile headers and bodies, deadlines."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+import pytest
+import trio
+
+from p2p.fake import FakeNetwork
+from p2p.framing import send_message
+from protocol.errors import IntegrityError, OversizeError, StreamClosed, TransferTimeout
+from protocol.keys import Keypair
+from protocol.manifest import STATUS_BUSY, STATUS_OK, ShardHeader
+
+from node.shardcast import transfer
+from node.shardcast.store import ShardStore
+
+MID = hashlib.sha256(b"manifest").digest()
+DATA = os.urandom(300 * 1024)  # larger than the fake's 256 KiB stream buffer
+SHA = hashlib.sha256(DATA).digest()
+FAST = transfer.Deadlines(inactivity_s=0.5, base_s=2.0)
+
+
+@pytest.fixture
+async def pair(nursery):
+    net = FakeNetwork()
+    a = await nursery.start(_host, net, "a")
+    b = await nursery.start(_host, net, "b")
+    await a.connect(b.listen_addrs()[0])
+    return a, b
+
+
+async def _host(net, label, task_status=trio.TASK_STATUS_IGNORED):
+    async with net.open_host(Keypair.from_label(label)) as host:
+        task_status.started(host)
+        await trio.sleep_forever()
+
+
+def _serve_with(host, body):
+    """Register a handler that reads the request and then runs ``body(stream, req)``."""
+    results = []
+
+    async def handler(stream):
+        req = await transfer.read_request(stream, FAST)
+        results.append(await body(stream, req))
+
+    host.set_stream_handler(transfer.SHARD_PROTOCOL, handler)
+    return results
+
+
+async def _fetch(a, b, store, *, nbytes=len(DATA), sha=SHA, deadlines=FAST):
+    stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+    return await transfer.fetch_shard(stream, store, manifest_id=MID, index=0, sha256=sha, nbytes=nbytes,
+                                      deadlines=deadlines)
+
+
+def _assert_clean(store, tmp_path):
+    assert not store.has_shard(SHA)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+async def test_shard_round_trip_waits_for_the_ack(pair, tmp_path):
+    a, b = pair
+    src = tmp_path / "src.bin"
+    src.write_bytes(DATA)
+    sent = _serve_with(b, lambda s, r: transfer.send_shard(s, r, path=src, sha256=SHA, nbytes=len(DATA),
+                                                          deadlines=FAST))
+    store = ShardStore.open(tmp_path / "store")
+    with trio.fail_after(10):
+        assert await _fetch(a, b, store) == STATUS_OK
+        while not sent:
+            await trio.sleep(0.005)
+    assert store.read_shard(SHA) == DATA
+    assert sent[0].ok and sent[0].bytes_sent == len(DATA) and not sent[0].disk_corrupt
+
+
+async def test_refusal_carries_status(pair, tmp_path):
+    a, b = pair
+    _serve_with(b, lambda s, r: transfer.refuse(s, r, STATUS_BUSY, FAST))
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10):
+        assert await _fetch(a, b, store) == STATUS_BUSY
+
+
+async def test_truncated_header_is_rejected_cleanly(pair, tmp_path):
+    a, b = pair
+
+    async def truncated(stream, req):
+        await stream.write(struct.pack(">I", 100) + b"\x93\x01\x2b")
+        await stream.close()
+
+    _serve_with(b, truncated)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10), pytest.raises(StreamClosed):
+        await _fetch(a, b, store)
+    _assert_clean(store, tmp_path)
+
+
+async def test_oversized_header_is_refused_before_allocation(pair, tmp_path):
+    a, b = pair
+
+    async def huge(stream, req):
+        await stream.write(struct.pack(">I", 2_000_000_000))
+        await trio.sleep_forever()
+
+    _serve_with(b, huge)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10), pytest.raises(OversizeError):
+        await _fetch(a, b, store)
+    _assert_clean(store, tmp_path)
+
+
+async def test_header_that_disagrees_with_the_manifest_is_refused(pair, tmp_path):
+    a, b = pair
+
+    async def lying(stream, req):
+        await send_message(stream, ShardHeader(manifest_id=MID, index=0, status=STATUS_OK, nbytes=len(DATA) * 2,
+                                               sha256=SHA))
+        await trio.sleep_forever()
+
+    _serve_with(b, lying)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10), pytest.raises(IntegrityError):
+        await _fetch(a, b, store)
+    _assert_clean(store, tmp_path)
+
+
+@pytest.mark.parametrize("body, error", [
+    (DATA[:1000], IntegrityError),               # ends early
+    (DATA + b"extra", OversizeError),            # more than announced
+    (b"\0" + DATA[1:], IntegrityError),          # corrupted
+])
+async def test_bad_body_is_rejected_and_nacked(pair, tmp_path, body, error):
+    a, b = pair
+    acks = []
+
+    async def bad(stream, req):
+        await send_message(stream, ShardHeader(manifest_id=MID, index=0, status=STATUS_OK, nbytes=len(DATA),
+                                               sha256=SHA))
+        try:
+            await stream.write(body)
+            await stream.close_write()
+            acks.append(await stream.read(4096))
+        except StreamClosed:
+            acks.append(None)
+
+    _serve_with(b, bad)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10), pytest.raises(error):
+        await _fetch(a, b, store)
+    _assert_clean(store, tmp_path)
+
+
+async def test_silent_sender_hits_the_inactivity_deadline(pair, tmp_path):
+    a, b = pair
+
+    async def stall(stream, req):
+        await send_message(stream, ShardHeader(manifest_id=MID, index=0, status=STATUS_OK, nbytes=len(DATA),
+                                               sha256=SHA))
+        await stream.write(DATA[:1000])
+        await trio.sleep_forever()
+
+    _serve_with(b, stall)
+    store = ShardStore.open(tmp_path)
+    start = trio.current_time()
+    with trio.fail_after(10), pytest.raises(TransferTimeout):
+        await _fetch(a, b, store)
+    assert trio.current_time() - start < 2 * FAST.inactivity_s + 1
+    _assert_clean(store, tmp_path)
+
+
+async def test_sender_gives_up_on_a_receiver_that_stops_reading(pair, tmp_path):
+    a, b = pair
+    src = tmp_path / "src.bin"
+    src.write_bytes(DATA)
+    errors = []
+
+    async def serve(stream, req):
+        try:
+            await transfer.send_shard(stream, req, path=src, sha256=SHA, nbytes=len(DATA), deadlines=FAST)
+        except TransferTimeout as exc:
+            errors.append(exc)
+
+    _serve_with(b, serve)
+    with trio.fail_after(10):
+        stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+        await send_message(stream, transfer.ShardRequest(manifest_id=MID, index=0, fallback=False))
+        while not errors:  # never read: the window fills and the sender's write stalls
+            await trio.sleep(0.01)
+    assert isinstance(errors[0], TransferTimeout)
