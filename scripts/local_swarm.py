@@ -47,7 +47,7 @@ class SwarmNode:
     ready_event: threading.Event = field(default_factory=threading.Event)
     log_path: Path | None = None
 
-    def start(self, bootstrap: str | None, extra_args: list[str]) -> None:
+    def start(self, bootstrap: str | None, extra_args: list[str], extra_env: dict[str, str]) -> None:
         argv = [sys.executable, "-m", "node.cli", "start", "--data-dir", str(self.data_dir), "--listen", self.listen,
                 "--control-port", str(self.control_port), "--no-mdns", *extra_args]
         if bootstrap:
@@ -55,7 +55,7 @@ class SwarmNode:
         self.log_path = self.data_dir / "node.log"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **extra_env)
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv_prefix + argv, stdout=subprocess.PIPE, stderr=log, env=env,
                                      cwd=str(ROOT), start_new_session=True)
@@ -117,9 +117,11 @@ def stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
 
 
 class Swarm:
-    def __init__(self, num_nodes: int, work_dir: Path, *, lab=None, extra_args: list[str] | None = None):
+    def __init__(self, num_nodes: int, work_dir: Path, *, lab=None, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.lab = lab
         self.extra_args = extra_args or []
+        self.env = env or {}
         self.nodes: list[SwarmNode] = []
         for i in range(num_nodes):
             if lab is None:
@@ -134,10 +136,10 @@ class Swarm:
     def start(self, watch_interval_s: float = 0.5) -> None:
         self.started_at = time.monotonic()
         first = self.nodes[0]
-        first.start(None, self.extra_args)
+        first.start(None, self.extra_args, self.env)
         self._wait_ready([first])
         for node in self.nodes[1:]:
-            node.start(first.addr, self.extra_args)
+            node.start(first.addr, self.extra_args, self.env)
         self._wait_ready(self.nodes[1:])
         for node in self.nodes:
             node.watch(watch_interval_s)

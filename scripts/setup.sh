@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtualenv in .venv and install Shoal with its test tools.
+# CPU torch is pinned by default; for a GPU build set SHOAL_TORCH, e.g.
+#   SHOAL_TORCH="torch --index-url https://download.pytorch.org/whl/cu128" bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${SHOAL_VENV:-.venv}"
+TORCH_SPEC="${SHOAL_TORCH:-torch==2.13.0}"
+
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+    echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2
+    exit 2
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.shoal-installed"
+want="$(cat pyproject.toml; echo "$TORCH_SPEC")"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "setup: installing $TORCH_SPEC and shoal[test] (first run takes a minute or two)" >&2
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options such as --index-url
+    "$VENV/bin/python" -m pip install -q $TORCH_SPEC
+    "$VENV/bin/python" -m pip install -q -e '.[test]'
+    printf '%s' "$want" > "$stamp"
+fi
