@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict, deque
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator
 
 import trio
 
 from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, StreamHandler
-from protocol.errors import PeerUnreachable, StreamClosed
+from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
 logger = logging.getLogger(__name__)
@@ -184,9 +185,10 @@ class FakeHost:
     async def _serve(self, handler: StreamHandler, stream: FakeStream) -> None:
         try:
             await handler(stream)
-        except Exception:
+        except Exception as exc:
             self._stats.handler_errors += 1
-            logger.warning("handler for %s from %s failed", stream.protocol, stream.remote_peer, exc_info=True)
+            level = logging.DEBUG if isinstance(exc, TransportError) else logging.WARNING
+            logger.log(level, "handler for %s from %s failed", stream.protocol, stream.remote_peer, exc_info=True)
             stream._break()
             return
         if not stream._out.broken:
@@ -246,14 +248,8 @@ class FakeHost:
 
     def statistics(self) -> HostStatistics:
         s = self._stats
-        return HostStatistics(
-            connected_peers=len(self._links),
-            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
-            bytes_sent_by_peer=dict(s.bytes_sent_by_peer), bytes_received_by_peer=dict(s.bytes_received_by_peer),
-            gossip_published=s.gossip_published, gossip_received=s.gossip_received,
-            gossip_rejected=s.gossip_rejected, gossip_dropped_queue_full=s.gossip_dropped_queue_full,
-            handler_errors=s.handler_errors, streams_opened=s.streams_opened, streams_accepted=s.streams_accepted,
-        )
+        return dataclasses.replace(s, connected_peers=len(self._links), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
+                                   bytes_received_by_peer=dict(s.bytes_received_by_peer))
 
 
 class FakeNetwork:
@@ -275,20 +271,23 @@ class FakeNetwork:
             raise ValueError(f"a host with peer id {peer_id} is already running on this FakeNetwork")
         addr = f"/memory/{self._next_index}/p2p/{peer_id}"
         self._next_index += 1
-        async with trio.open_nursery() as nursery:
-            host = FakeHost(self, peer_id, addr, config, nursery)
-            self._hosts[peer_id] = host
-            if config.mdns:
-                self._announce(host)
-            try:
-                yield host
-            finally:
-                self.kill(peer_id)
-                del self._hosts[peer_id]
-                for send, _ in host._subs.values():
-                    send.close()
-                host._discovered_send.close()
-                nursery.cancel_scope.cancel()
+        # The nursery is left through an exit stack so an error in the caller's block is not wrapped in a group.
+        stack = AsyncExitStack()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        host = FakeHost(self, peer_id, addr, config, nursery)
+        self._hosts[peer_id] = host
+        if config.mdns:
+            self._announce(host)
+        try:
+            yield host
+        finally:
+            self.kill(peer_id)
+            del self._hosts[peer_id]
+            for send, _ in host._subs.values():
+                send.close()
+            host._discovered_send.close()
+            nursery.cancel_scope.cancel()
+            await stack.aclose()
 
     def partition(self, a: str, b: str) -> None:
         """Cut the link between two peers and refuse new dials between them until heal()."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, StreamHandler
-from protocol.errors import PeerUnreachable, StreamClosed
+from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
 logger = logging.getLogger(__name__)
@@ -178,9 +179,11 @@ class Libp2pHost:
             self._stats.streams_accepted += 1
             try:
                 await handler(stream)
-            except Exception:
+            except Exception as exc:
                 self._stats.handler_errors += 1
-                logger.warning("handler for %s from %s failed", protocol, remote, exc_info=True)
+                # A stream the peer or network broke is routine; anything else is a bug worth a warning.
+                level = logging.DEBUG if isinstance(exc, TransportError) else logging.WARNING
+                logger.log(level, "handler for %s from %s failed", protocol, remote, exc_info=True)
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await stream.reset()
                 return
@@ -303,14 +306,8 @@ class Libp2pHost:
 
     def statistics(self) -> HostStatistics:
         s = self._stats
-        return HostStatistics(
-            connected_peers=len(self._host.get_connected_peers()),
-            bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
-            bytes_sent_by_peer=dict(s.bytes_sent_by_peer), bytes_received_by_peer=dict(s.bytes_received_by_peer),
-            gossip_published=s.gossip_published, gossip_received=s.gossip_received,
-            gossip_rejected=s.gossip_rejected, gossip_dropped_queue_full=s.gossip_dropped_queue_full,
-            handler_errors=s.handler_errors, streams_opened=s.streams_opened, streams_accepted=s.streams_accepted,
-        )
+        return dataclasses.replace(s, connected_peers=len(self._host.get_connected_peers()), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
+                                   bytes_received_by_peer=dict(s.bytes_received_by_peer))
 
 
 async def _no_auto_dial() -> None:
@@ -353,24 +350,31 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
     config = config or HostConfig()
     listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
     raw_host, gossipsub, pubsub = _build_libp2p(keypair, config)
-    stack = AsyncExitStack()
-    on_discovered = None
-    nursery = None
-    try:
-        await stack.enter_async_context(raw_host.run(listen))
-        await stack.enter_async_context(background_trio_service(pubsub))
-        await stack.enter_async_context(background_trio_service(gossipsub))
-        await pubsub.wait_until_ready()
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        host = Libp2pHost(keypair, config, raw_host, pubsub, nursery)
-        if config.mdns:
-            on_discovered = _thread_forwarder(host, trio.lowlevel.current_trio_token())
-            peerDiscovery.register_peer_discovered_handler(on_discovered)
-        yield host
-    finally:
-        if on_discovered is not None:
-            peerDiscovery.unregister_peer_discovered_handler(on_discovered)
-        await _shutdown(raw_host, stack, nursery)
+    # The teardown scope encloses every context below, so cleanup can be shielded and bounded
+    # without exiting a nursery from inside a younger cancel scope.
+    with trio.CancelScope() as teardown:
+        stack = AsyncExitStack()
+        on_discovered = None
+        nursery = None
+        try:
+            await stack.enter_async_context(raw_host.run(listen))
+            await stack.enter_async_context(background_trio_service(pubsub))
+            await stack.enter_async_context(background_trio_service(gossipsub))
+            await pubsub.wait_until_ready()
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            host = Libp2pHost(keypair, config, raw_host, pubsub, nursery)
+            if config.mdns:
+                on_discovered = _thread_forwarder(host, trio.lowlevel.current_trio_token())
+                peerDiscovery.register_peer_discovered_handler(on_discovered)
+            yield host
+        finally:
+            teardown.shield = True
+            teardown.deadline = trio.current_time() + CLEANUP_S
+            if on_discovered is not None:
+                peerDiscovery.unregister_peer_discovered_handler(on_discovered)
+            await _shutdown(raw_host, stack, nursery)
+    if teardown.cancelled_caught:
+        logger.warning("libp2p host shutdown exceeded %s s; abandoned", CLEANUP_S)
 
 
 def _thread_forwarder(host: Libp2pHost, token: trio.lowlevel.TrioToken):
@@ -386,17 +390,24 @@ def _thread_forwarder(host: Libp2pHost, token: trio.lowlevel.TrioToken):
 
 
 async def _shutdown(raw_host: Any, stack: AsyncExitStack, nursery: trio.Nursery | None) -> None:
-    """Close the host before pubsub stops, or in-flight RPCs hit a closed nursery (notes §3.4, §4 item 8)."""
-    if nursery is not None:
-        nursery.cancel_scope.cancel()  # our subscription consumers would otherwise keep the nursery open
-    with trio.move_on_after(CLEANUP_S, shield=True) as scope:
-        try:
+    """Close the host before pubsub stops, or in-flight RPCs hit a closed nursery (notes §3.4, §4 item 8).
+
+    An outer cancellation may already have cancelled libp2p's service nurseries, which enclose
+    this code: the close gets its own shield, and the stack is unwound whatever happens, since
+    leaving those contexts open would corrupt trio's cancel-scope stack. Our nursery is cancelled
+    only right before the stack exits it, or the host's close would be cancelled with it.
+    """
+    try:
+        with trio.move_on_after(CLEANUP_S, shield=True):
             await raw_host.close()
-        except Exception:
-            logger.debug("error while closing the libp2p host", exc_info=True)
+    except Exception:
+        logger.debug("error while closing the libp2p host", exc_info=True)
+    finally:
+        if nursery is not None:
+            nursery.cancel_scope.cancel()
         try:
             await stack.aclose()  # exits in reverse: our nursery, gossipsub, pubsub, host.run
         except* Exception as group:  # teardown noise from libp2p's services; nothing is running any more
+            if group.subgroup(lambda exc: "stack corrupted" in str(exc)) is not None:
+                raise  # a misnested scope is our bug and leaves trio unusable: never hide it
             logger.debug("libp2p shutdown noise: %r", group)
-    if scope.cancelled_caught:
-        logger.warning("libp2p host shutdown exceeded %s s; abandoned", CLEANUP_S)

@@ -273,3 +273,47 @@ async def test_three_connected_hosts_shut_down_cleanly_with_work_in_flight(swarm
             stuck = await a.open_stream(c.peer_id, SINK)
             await stuck.write(b"never read")
         # Leaving the block closed all three hosts without an exception and within the deadline.
+
+
+async def test_subscribing_after_connecting_still_delivers(swarm):
+    with trio.fail_after(30):
+        async with swarm.hosts(2) as (a, b):
+            await connect(a, b)
+            a.subscribe(TOPIC)
+            rb = b.subscribe(TOPIC)
+            await a.wait_for_topic_peer(TOPIC, b.peer_id)
+            await a.publish(TOPIC, b"late subscription")
+            assert (await rb.receive()).data == b"late subscription"
+
+
+async def test_a_publisher_that_is_not_subscribed_reaches_subscribers(swarm):
+    with trio.fail_after(30):
+        async with swarm.hosts(2) as (a, b):
+            rb = b.subscribe(TOPIC)
+            await connect(a, b)
+            await a.wait_for_topic_peer(TOPIC, b.peer_id)
+            await a.publish(TOPIC, b"fanout")
+            got = await rb.receive()
+            assert (got.data, got.origin, got.forwarder) == (b"fanout", a.peer_id, a.peer_id)
+
+
+async def test_an_error_in_the_callers_block_propagates_unwrapped(swarm):
+    with trio.fail_after(20):
+        with pytest.raises(KeyError):
+            async with swarm.hosts(2) as (a, b):
+                await connect(a, b)
+                raise KeyError("caller bug")
+
+
+async def test_hosts_shut_down_cleanly_when_cancelled_from_outside(swarm):
+    with trio.fail_after(30):
+        for round_index in range(2):
+            with trio.move_on_after(0.5) as scope:
+                async with swarm.hosts(2) as (a, b):
+                    a.subscribe(TOPIC)
+                    b.subscribe(TOPIC)
+                    await connect(a, b)
+                    await trio.sleep_forever()
+            assert scope.cancelled_caught
+        async with swarm.hosts(2) as (a, b):  # trio is still healthy: new hosts work
+            await connect(a, b)
