@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
@@ -15,11 +14,10 @@ import trio
 from p2p.api import GossipMessage, Host, Stream
 from p2p.framing import recv_message, send_message
 from protocol.envelope import open_sealed, seal
-from protocol.errors import (DecodeError, IntegrityError, OversizeError, RemoteProtocolError, TransferTimeout,
-                             TransportError)
+from protocol.errors import DecodeError, RemoteProtocolError, TransferTimeout, TransportError
 from protocol.keys import Keypair
 from protocol.manifest import (DEFAULT_SHARD_BYTES, KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
-                               STATUS_MISSING, STATUS_OK, Have, Manifest, ManifestRequest, ManifestResponse,
+                               STATUS_MISSING, Have, Manifest, ManifestRequest, ManifestResponse,
                                SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
                                make_manifest, open_manifest, seal_manifest)
 
