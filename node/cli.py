@@ -167,6 +167,8 @@ def peers(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
 
 
 def main() -> None:
+    from node.shard_cli import shard_app
+    app.add_typer(shard_app, name="shard")
     app()
 
 

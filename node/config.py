@@ -39,6 +39,8 @@ class NodeConfig:
     gossip_rate_per_s: float = 20.0
     gossip_burst: int = 60
     hardware_benchmark: bool = True
+    shard_single_source: bool = False
+    """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
     log_json: bool = False
     log_level: str = "info"
 

@@ -6,4 +6,5 @@ from node.daemon import ServiceFactory
 
 
 def default_services() -> list[ServiceFactory]:
-    return []
+    from node.shard_api import start_shardcast
+    return [start_shardcast]

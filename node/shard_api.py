@@ -1,0 +1,122 @@
+"""SHARDCAST inside the daemon: the service, its control routes (publish, fetch jobs) and its metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import trio
+
+from node.control import HttpError, Request, Response
+from node.shardcast.fetcher import FetchProgress
+from node.shardcast.service import ShardcastService
+from node.shardcast.store import ShardStore
+from protocol.errors import ShoalError
+
+log = logging.getLogger("shoal.shardcast")
+
+
+@dataclass
+class FetchJob:
+    manifest_id: str
+    out: str | None
+    state: str = "running"
+    bytes_done: int = 0
+    bytes_total: int = 0
+    bytes_per_s: float = 0.0
+    num_sources: int = 0
+    error: str = ""
+    started_at: float = field(default_factory=time.time)
+    seconds: float = 0.0
+
+
+def parse_manifest_id(text: str) -> bytes:
+    try:
+        raw = bytes.fromhex(text.strip())
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise HttpError(400, f"{text!r} is not a manifest id (64 hex characters, as `shoal shard publish` prints)")
+    return raw
+
+
+async def start_shardcast(node, nursery: trio.Nursery) -> None:
+    store = await trio.to_thread.run_sync(ShardStore.open, node.config.data_dir / "shardcast")
+    report = store.last_open_report
+    if report is not None:
+        log.info("shard store: %s", report)
+    service = ShardcastService(node.host, node.keypair, store, penalize=node.membership.penalize)
+    await nursery.start(service.run)
+    node.shardcast = service
+    jobs: dict[str, FetchJob] = {}
+
+    async def publish(request: Request) -> Response:
+        if request.method != "POST":
+            raise HttpError(405, "POST a JSON body {\"path\": \"/abs/path\"}")
+        path = Path(str(request.json().get("path", "")))
+        if not path.is_absolute() or not path.is_file():
+            raise HttpError(400, f"{path} is not an existing file (give an absolute path)")
+        manifest = await service.publish_file(path)
+        from protocol.manifest import manifest_id
+        return Response.json({"manifest_id": manifest_id(manifest).hex(), "bytes": manifest.total_bytes,
+                              "shards": manifest.num_shards, "label": manifest.label})
+
+    async def run_job(job: FetchJob, raw_id: bytes) -> None:
+        def progress(p: FetchProgress) -> None:
+            job.bytes_done, job.bytes_total = p.bytes_done, p.bytes_total
+            job.bytes_per_s, job.num_sources = p.bytes_per_s, p.num_sources
+        started = trio.current_time()
+        try:
+            manifest = await service.fetch(raw_id, progress=progress)
+            job.bytes_done = job.bytes_total = manifest.total_bytes
+            if job.out:
+                await trio.to_thread.run_sync(service.export_file, manifest, job.out)
+            job.state = "done"
+        except (ShoalError, OSError, ValueError) as exc:
+            job.state, job.error = "failed", str(exc)
+            log.warning("fetch %s failed: %s", job.manifest_id, exc)
+        job.seconds = round(trio.current_time() - started, 3)
+
+    async def fetch(request: Request) -> Response:
+        if request.method == "POST":
+            body = request.json()
+            raw_id = parse_manifest_id(str(body.get("manifest_id", "")))
+            out = body.get("out")
+            if out is not None and not Path(out).is_absolute():
+                raise HttpError(400, "out must be an absolute path")
+            job = jobs.get(raw_id.hex())
+            if job is None or job.state == "failed":
+                job = jobs[raw_id.hex()] = FetchJob(manifest_id=raw_id.hex(), out=out)
+                nursery.start_soon(run_job, job, raw_id)
+            return Response.json(asdict(job))
+        job = jobs.get(request.query.get("id", ""))
+        if job is None:
+            raise HttpError(404, "no fetch job with that id; start one with POST /shard/fetch")
+        return Response.json(asdict(job))
+
+    def stats() -> dict:
+        s = service.statistics()
+        return {"bytes_served": s.bytes_served, "bytes_fetched": s.bytes_fetched, "shards_served": s.shards_served,
+                "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
+                "manifests": len(store.manifest_ids())}
+
+    def samples():
+        s = service.statistics()
+        help_peer = "Shard bytes by peer"
+        yield "shoal_shard_bytes_served_total", "counter", "Shard bytes uploaded to peers", {}, s.bytes_served
+        yield "shoal_shard_bytes_fetched_total", "counter", "Verified shard bytes downloaded", {}, s.bytes_fetched
+        for peer, n in s.bytes_served_by_peer.items():
+            yield "shoal_shard_peer_bytes_total", "counter", help_peer, {"peer": peer, "direction": "served"}, n
+        for peer, n in s.bytes_fetched_by_peer.items():
+            yield "shoal_shard_peer_bytes_total", "counter", help_peer, {"peer": peer, "direction": "fetched"}, n
+        for reason, n in s.shards_rejected.items():
+            yield "shoal_shards_rejected_total", "counter", "Shards refused from peers", {"reason": reason}, n
+        yield ("shoal_shard_fetch_bytes_per_second", "gauge", "Rate of the last completed fetch", {},
+               s.last_fetch_bytes_per_s)
+
+    node.routes["/shard/publish"] = publish
+    node.routes["/shard/fetch"] = fetch
+    node.status_sources["shardcast"] = stats
+    node.metric_sources.append(samples)
