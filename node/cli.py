@@ -57,13 +57,16 @@ def start(
     data_dir: Optional[Path] = DataDir,
     listen: Optional[List[str]] = typer.Option(None, "--listen", help="Multiaddr to listen on (repeatable)."),
     bootstrap: Optional[List[str]] = typer.Option(None, "--bootstrap", help="Peer multiaddr with /p2p/ (repeatable)."),
+    announce_addr: Optional[List[str]] = typer.Option(None, "--announce-addr",
+                                                      help="Address peers should dial, e.g. a public IP (repeatable)."),
     mdns: Optional[bool] = typer.Option(None, "--mdns/--no-mdns", help="Find peers on the local network."),
     control_port: Optional[int] = typer.Option(None, "--control-port", help="Control API port (0: any free one)."),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--no-log-json", help="Log one JSON object per line."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Run a node until SIGINT or SIGTERM."""
-    flags = {"data_dir": data_dir, "listen": listen or None, "bootstrap": bootstrap or None, "mdns": mdns,
+    flags = {"data_dir": data_dir, "listen": listen or None, "bootstrap": bootstrap or None,
+             "announce_addrs": announce_addr or None, "mdns": mdns,
              "control_port": control_port, "log_json": log_json, "log_level": log_level}
     env_config = os.environ.get("SHOAL_CONFIG")
     cfg = run_cli(lambda: load_config(path=config or (Path(env_config) if env_config else None), flags=flags))
