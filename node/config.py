@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import ConfigError
+from protocol.manifest import DEFAULT_SHARD_BYTES, MAX_SHARD_BYTES, MIN_SHARD_BYTES
 from protocol.messages import KNOWN_ROLES
 
 
@@ -41,6 +42,8 @@ class NodeConfig:
     hardware_benchmark: bool = True
     shard_single_source: bool = False
     """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    """Shard size for files this node publishes; smaller shards spread sooner, larger ones cost less per byte."""
     log_json: bool = False
     log_level: str = "info"
 
@@ -61,6 +64,8 @@ class NodeConfig:
         need(1 <= self.max_peers <= 10_000, "max_peers", "must be between 1 and 10000")
         need(self.gossip_rate_per_s > 0 and self.gossip_burst >= 1, "gossip_rate_per_s",
              "the gossip flood limit needs a positive rate and a burst of at least 1")
+        need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",
+             f"must be between {MIN_SHARD_BYTES} and {MAX_SHARD_BYTES} bytes")
         need(bool(self.listen), "listen", "give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4001")
         for key in ("listen", "announce_addrs", "bootstrap"):
             for addr in getattr(self, key):

@@ -11,7 +11,7 @@ import trio
 
 from node.control import HttpError, Request, Response
 from node.shardcast.fetcher import FetchProgress
-from node.shardcast.service import ShardcastService
+from node.shardcast.service import ShardcastConfig, ShardcastService
 from node.shardcast.store import ShardStore
 from protocol.errors import ShoalError
 
@@ -47,7 +47,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
     report = store.last_open_report
     if report is not None:
         log.info("shard store: %s", report)
-    service = ShardcastService(node.host, node.keypair, store, penalize=node.membership.penalize)
+    config = ShardcastConfig(shard_bytes=node.config.shard_bytes, single_source=node.config.shard_single_source)
+    service = ShardcastService(node.host, node.keypair, store, penalize=node.membership.penalize, config=config)
     await nursery.start(service.run)
     node.shardcast = service
     jobs: dict[str, FetchJob] = {}

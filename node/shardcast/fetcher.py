@@ -95,6 +95,8 @@ class FetchState:
         connected = set(self.svc.host.connected_peers())
         out = []
         for peer, held in self.svc.holders(self.mid).items():
+            if cfg.single_source and peer != self.publisher:
+                continue
             if index not in held or peer not in connected or peer in self.banned:
                 continue
             if self.peer_failures.get(peer, 0) >= cfg.max_failures_per_peer:
@@ -125,7 +127,8 @@ class FetchState:
         pool = others or peers
         load = self.svc._inflight_by_peer
         peer = min(pool, key=lambda p: (load[p], random.random()))
-        fallback = not others and (index, peer) in self.refused_at
+        # In single-source mode every request is a last resort: the publisher need not hold back duplicates.
+        fallback = self.svc.config.single_source or (not others and (index, peer) in self.refused_at)
         return index, peer, fallback
 
     async def _fetch_one(self, index: int, peer: str, fallback: bool) -> None:

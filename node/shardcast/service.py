@@ -55,6 +55,9 @@ class ShardcastConfig:
     """A fetch fails with TransferTimeout after this long without a new verified shard."""
     keep_manifests: int = 3
     max_known_manifests: int = 64
+    single_source: bool = False
+    """Fetch only from a manifest's publisher and let a publisher serve duplicates at once: the
+    baseline that swarming is measured against, not a mode for real swarms."""
 
     def deadlines(self) -> transfer.Deadlines:
         return transfer.Deadlines(inactivity_s=self.inactivity_s, base_s=self.base_deadline_s,
@@ -195,7 +198,9 @@ class ShardcastService:
         # The GC lock keeps freshly written shards from being collected before their manifest exists.
         async with self._gc_lock:
             signed = await trio.to_thread.run_sync(work)
-        self._seeds[signed.manifest_id] = _Seed(served=[0] * signed.manifest.num_shards)
+        if not self.config.single_source:
+            # Nobody else will ever serve in single-source mode: serve-once would only stall receivers.
+            self._seeds[signed.manifest_id] = _Seed(served=[0] * signed.manifest.num_shards)
         self._remember(signed)
         await self._gossip(signed.sealed)
         self._mark_dirty(signed.manifest_id)
