@@ -187,11 +187,13 @@ class Swarm:
         return table
 
     def report(self) -> dict:
+        # A node cannot see peers that have not started yet: count from the moment the last one was ready.
+        all_ready_at = max((n.ready_at for n in self.nodes), default=0.0)
         return {"nodes": [{
             "peer_id": n.peer_id, "pid": n.proc.pid if n.proc else None,
             "peers_seen": n.alive_peers() if n.peers else [],
             "peers_ever_seen": sorted(n.peers),
-            "seconds_to_see_all": None if n.seen_all_at is None else round(n.seen_all_at - n.ready_at, 2),
+            "seconds_to_see_all": None if n.seen_all_at is None else round(max(0.0, n.seen_all_at - all_ready_at), 2),
             "exit_code": n.exit_code, "log": str(n.log_path)} for n in self.nodes]}
 
 
