@@ -1,0 +1,359 @@
+"""Task specs and the per-round task messages (tags 20-39): strict validation, task ids, TOML loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import tomllib
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.codec import encode, message
+from protocol.errors import ConfigError
+
+KNOWN_RECIPES = ("tiny-lm",)
+KNOWN_DATASETS = ("stdlib-corpus",)
+KNOWN_COMPRESSIONS = ("int8",)
+KNOWN_DEVICES = ("cpu", "cuda", "any")
+
+MAX_NAME_CHARS = 128
+MAX_ROUNDS = 1_000_000
+MAX_INNER_STEPS = 1_000_000
+MAX_MEMBERS = 10_000
+MAX_SLICES = 256
+MAX_DATASET_BYTES = 1 << 34
+MAX_DATASET_SHARDS = 1 << 16
+MAX_PARAMS = 2_000_000_000
+MAX_BATCH = 65_536
+MAX_ID_CHARS = 128
+HEX_HASH_CHARS = 64
+MAX_LOSSES = 64
+DEFAULT_TASK_SPEC_BYTES = 16 * 1024
+
+SPECS_TOPIC = "shoal/tasks/1"
+
+
+def task_topic(task_id: str) -> str:
+    return f"shoal/task/1/{task_id}"
+
+
+def _need(ok: bool, text: str) -> None:
+    if not ok:
+        raise ValueError(text)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _is_hex_hash(text: str) -> bool:
+    return len(text) == HEX_HASH_CHARS and all(c in "0123456789abcdef" for c in text)
+
+
+@message(tag=20)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    n_layer: int
+    n_head: int
+    d_model: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "d_model", "seq_len"):
+            _need(getattr(self, name) >= 1, f"model.{name} must be >= 1")
+        _need(self.n_layer <= 64 and self.d_model <= 8192 and self.seq_len <= 65536,
+              "model too large: n_layer <= 64, d_model <= 8192, seq_len <= 65536")
+        _need(self.d_model % self.n_head == 0, f"model.d_model ({self.d_model}) must be divisible by "
+                                               f"model.n_head ({self.n_head})")
+        _need(self.num_params() <= MAX_PARAMS, f"model has {self.num_params()} parameters, over {MAX_PARAMS}")
+
+    def num_params(self) -> int:
+        """TinyLM's parameter count: embeddings, blocks, final norm and head (node/train/model.py)."""
+        d = self.d_model
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return 256 * d + self.seq_len * d + self.n_layer * block + 2 * d + 256 * d
+
+
+@message(tag=21)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetSpec:
+    kind: str
+    max_bytes: int
+    sha256: str
+    num_shards: int
+
+    def __post_init__(self) -> None:
+        _need(self.kind in KNOWN_DATASETS, f"dataset.kind {self.kind!r} is not one of {list(KNOWN_DATASETS)}")
+        _need(1024 <= self.max_bytes <= MAX_DATASET_BYTES, f"dataset.max_bytes must be within 1024..{MAX_DATASET_BYTES}")
+        _need(_is_hex_hash(self.sha256), "dataset.sha256 must be 64 lowercase hex characters")
+        _need(1 <= self.num_shards <= MAX_DATASET_SHARDS, f"dataset.num_shards must be within 1..{MAX_DATASET_SHARDS}")
+
+
+@message(tag=22)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdamWSpec:
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    warmup_steps: int
+
+    def __post_init__(self) -> None:
+        _need(_finite(self.lr) and 0 < self.lr <= 1.0, f"adamw.lr must be in (0, 1], got {self.lr}")
+        _need(_finite(self.weight_decay) and 0 <= self.weight_decay <= 1.0, "adamw.weight_decay must be in [0, 1]")
+        _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "adamw.beta1 and adamw.beta2 must be in [0, 1)")
+        _need(0 <= self.warmup_steps <= MAX_INNER_STEPS, "adamw.warmup_steps must be >= 0")
+
+
+@message(tag=23)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Requirements:
+    min_memory_bytes: int
+    device: str
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.min_memory_bytes < 1 << 50, "requirements.min_memory_bytes must be >= 0")
+        _need(self.device in KNOWN_DEVICES, f"requirements.device must be one of {list(KNOWN_DEVICES)}")
+
+
+@message(tag=24)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskSpec:
+    """What to train and how; its hash is the task id, the initiator's signature is on the envelope."""
+
+    name: str
+    recipe: str
+    model: ModelSpec
+    dataset: DatasetSpec
+    inner_steps: int
+    time_budget_s: float
+    batch_size: int
+    adamw: AdamWSpec
+    outer_lr: float
+    outer_momentum: float
+    compression: str
+    aggregation_shards: int
+    aggregators_per_shard: int
+    rounds: int
+    round_deadline_s: float
+    min_members: int
+    max_members: int
+    requirements: Requirements
+    seed: int
+    created_ms: int
+
+    def __post_init__(self) -> None:
+        # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
+        # decode, so a node can decline it with a reason instead of dropping it as garbage.
+        _need(0 < len(self.name) <= MAX_NAME_CHARS, f"name must have 1..{MAX_NAME_CHARS} characters")
+        _need(0 < len(self.recipe) <= MAX_NAME_CHARS, "recipe must be named")
+        _need(1 <= self.inner_steps <= MAX_INNER_STEPS, f"inner_steps must be within 1..{MAX_INNER_STEPS}")
+        _need(_finite(self.time_budget_s) and 0 <= self.time_budget_s <= 86_400,
+              "time_budget_s must be within 0..86400 (0 = no budget)")
+        _need(1 <= self.batch_size <= MAX_BATCH, f"batch_size must be within 1..{MAX_BATCH}")
+        _need(_finite(self.outer_lr) and 0 < self.outer_lr <= 10, f"outer_lr must be in (0, 10], got {self.outer_lr}")
+        _need(_finite(self.outer_momentum) and 0 <= self.outer_momentum < 1, "outer_momentum must be in [0, 1)")
+        _need(self.compression in KNOWN_COMPRESSIONS, f"compression must be one of {list(KNOWN_COMPRESSIONS)}")
+        _need(1 <= self.aggregation_shards <= MAX_SLICES, f"aggregation_shards must be within 1..{MAX_SLICES}")
+        _need(1 <= self.aggregators_per_shard <= 16, "aggregators_per_shard must be within 1..16")
+        _need(1 <= self.rounds <= MAX_ROUNDS, f"rounds must be within 1..{MAX_ROUNDS}")
+        _need(_finite(self.round_deadline_s) and 1 <= self.round_deadline_s <= 86_400,
+              "round_deadline_s must be within 1..86400")
+        _need(self.time_budget_s < self.round_deadline_s, "time_budget_s must be shorter than round_deadline_s")
+        _need(1 <= self.min_members <= self.max_members <= MAX_MEMBERS,
+              f"need 1 <= min_members <= max_members <= {MAX_MEMBERS}")
+        _need(self.aggregation_shards <= self.model.num_params(), "aggregation_shards exceeds the parameter count")
+        _need(0 <= self.seed < 2**63 and 0 <= self.created_ms < 2**63, "seed and created_ms must fit in 63 bits")
+        window = self.model.seq_len + 1
+        shard_bytes = self.dataset.max_bytes * 0.95 / self.dataset.num_shards
+        _need(shard_bytes >= window, f"dataset shards of ~{int(shard_bytes)} bytes are shorter than one "
+                                     f"training window of {window} bytes: use fewer shards or more bytes")
+
+    def memory_estimate_bytes(self) -> int:
+        """A rough peak for one trainer: weights, grads, AdamW moments, outer state, activations."""
+        params = self.model.num_params()
+        activations = self.batch_size * self.model.seq_len * self.model.d_model * self.model.n_layer * 16 * 4
+        return 8 * 4 * params + activations
+
+
+def task_id(spec: TaskSpec) -> str:
+    """The task's id: hex sha256 of the spec's canonical encoding."""
+    return hashlib.sha256(encode(spec)).hexdigest()
+
+
+def _check_id(value: str, what: str) -> None:
+    _need(0 < len(value) <= MAX_ID_CHARS, f"{what} must have 1..{MAX_ID_CHARS} characters")
+
+
+def _check_task(value: str) -> None:
+    _need(_is_hex_hash(value), "task_id must be 64 lowercase hex characters")
+
+
+@message(tag=25)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskJoin:
+    """The signer takes part from ``round`` on (it holds that round's starting weights)."""
+
+    task_id: str
+    peer_id: str
+    round: int
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _check_id(self.peer_id, "peer_id")
+        _need(0 <= self.round < MAX_ROUNDS, "round out of range")
+
+
+@message(tag=26)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateAnnounce:
+    """A producer's compressed pseudo-gradient for one round, one SHARDCAST manifest per slice."""
+
+    task_id: str
+    round: int
+    producer: str
+    base_hash: str
+    samples: int
+    manifest_ids: tuple[str, ...]
+    losses: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _check_id(self.producer, "producer")
+        _need(0 <= self.round < MAX_ROUNDS, "round out of range")
+        _need(_is_hex_hash(self.base_hash), "base_hash must be a hex sha256")
+        _need(1 <= self.samples < 2**40, "samples must be positive")
+        _need(1 <= len(self.manifest_ids) <= MAX_SLICES and all(_is_hex_hash(m) for m in self.manifest_ids),
+              "manifest_ids must be 1..256 hex sha256 ids")
+        _need(len(self.losses) <= MAX_LOSSES and all(_finite(x) for x in self.losses), "losses must be finite")
+
+
+@message(tag=27)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AggregateAnnounce:
+    """An aggregator's weighted mean of one slice over ``included`` producers (sorted ids)."""
+
+    task_id: str
+    round: int
+    slice: int
+    aggregator: str
+    included: tuple[str, ...]
+    manifest_id: str
+    result_hash: str
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _check_id(self.aggregator, "aggregator")
+        _need(0 <= self.round < MAX_ROUNDS and 0 <= self.slice < MAX_SLICES, "round or slice out of range")
+        _need(1 <= len(self.included) <= MAX_MEMBERS, "included must name 1..10000 producers")
+        _need(list(self.included) == sorted(set(self.included)), "included must be sorted and distinct")
+        _need(_is_hex_hash(self.manifest_id) and _is_hex_hash(self.result_hash), "ids must be hex sha256")
+
+
+@message(tag=28)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsAnnounce:
+    """The weights after ``round`` (θ_{round+1}): their hash, the outer state's, and where to fetch both."""
+
+    task_id: str
+    round: int
+    peer_id: str
+    weights_hash: str
+    state_hash: str
+    state_manifest: str
+    eval_loss: float
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _check_id(self.peer_id, "peer_id")
+        _need(0 <= self.round < MAX_ROUNDS, "round out of range")
+        _need(_is_hex_hash(self.weights_hash) and _is_hex_hash(self.state_hash), "hashes must be hex sha256")
+        _need(self.state_manifest == "" or _is_hex_hash(self.state_manifest), "state_manifest must be a hex id")
+        _need(_finite(self.eval_loss), "eval_loss must be finite")
+
+
+@message(tag=29)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetOffer:
+    """The signer serves the task's dataset bytes (sha256 ``sha256``) as a SHARDCAST file manifest."""
+
+    task_id: str
+    sha256: str
+    manifest_id: str
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _need(_is_hex_hash(self.sha256) and _is_hex_hash(self.manifest_id), "ids must be hex sha256")
+
+
+TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer)
+
+# -- TOML ----------------------------------------------------------------------------------------
+
+_SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements}
+_DEFAULTS: dict[str, Any] = {
+    "recipe": "tiny-lm", "time_budget_s": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "int8",
+    "aggregation_shards": 2, "aggregators_per_shard": 2, "min_members": 1, "max_members": 64, "seed": 0,
+    "created_ms": 0, "round_deadline_s": 120.0,
+    "adamw": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "warmup_steps": 0},
+    "requirements": {"min_memory_bytes": 0, "device": "any"},
+}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str) and (type(value) is not hint):
+        raise ConfigError(f"task spec: {key} = {value!r} must be {'a number' if hint is float else hint.__name__}")
+    return value
+
+
+def _build(cls: type, table: Any, prefix: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"task spec: {prefix.rstrip('.')} must be a table")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ConfigError(f"task spec: unknown key {prefix}{unknown[0]}; known: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        key = prefix + name
+        if name not in table:
+            raise ConfigError(f"task spec: missing key {key}")
+        if name in _SUB and cls is TaskSpec:
+            kwargs[name] = _build(_SUB[name], table[name], key + ".")
+        else:
+            kwargs[name] = _coerce(key, table[name], hints[name])
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"task spec: {exc}") from None
+
+
+def spec_from_dict(fields: dict, *, created_ms: int | None = None) -> TaskSpec:
+    """A TaskSpec from a plain map (TOML or JSON), defaults filled in; ConfigError names the bad key."""
+    table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in _DEFAULTS.items()}
+    for key, value in fields.items():
+        if isinstance(value, dict) and isinstance(table.get(key), dict):
+            table[key] = {**table[key], **value}
+        else:
+            table[key] = value
+    if created_ms is not None and not fields.get("created_ms"):
+        table["created_ms"] = created_ms
+    return _build(TaskSpec, table, "")
+
+
+def load_spec_toml(text: str, *, created_ms: int | None = None) -> TaskSpec:
+    """Parse a task spec from TOML (a top-level [task] table is optional); ConfigError on any mistake."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"task spec is not valid TOML: {exc}") from None
+    return spec_from_dict(table.get("task", table), created_ms=created_ms)
+
+
+def spec_to_dict(spec: TaskSpec) -> dict:
+    return dataclasses.asdict(spec)

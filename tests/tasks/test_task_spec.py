@@ -1,0 +1,115 @@
+"""Task specs: TOML loading, strict validation with clear reasons, ids, sealing and the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from protocol.codec import decode, encode
+from protocol.envelope import open_sealed, seal
+from protocol.errors import ConfigError, DecodeError, SignatureError
+from protocol.keys import Keypair
+from protocol.task import (AggregateAnnounce, TaskJoin, TaskSpec, UpdateAnnounce, WeightsAnnounce, load_spec_toml,
+                           task_id)
+
+SPEC_TOML = """
+[task]
+name = "unit"
+inner_steps = 10
+batch_size = 4
+rounds = 3
+round_deadline_s = 30
+[task.model]
+n_layer = 1
+n_head = 2
+d_model = 32
+seq_len = 32
+[task.dataset]
+kind = "stdlib-corpus"
+max_bytes = 65536
+sha256 = "%s"
+num_shards = 4
+""" % ("ab" * 32)
+
+
+def test_toml_defaults_and_id_are_stable():
+    spec = load_spec_toml(SPEC_TOML)
+    assert spec.recipe == "tiny-lm" and spec.outer_lr == 0.7 and spec.outer_momentum == 0.9
+    assert spec.aggregators_per_shard == 2 and spec.adamw.beta2 == 0.95
+    assert task_id(spec) == task_id(load_spec_toml(SPEC_TOML))
+    assert len(task_id(spec)) == 64
+    assert task_id(dataclasses.replace(spec, seed=1)) != task_id(spec)
+    assert decode(encode(spec)) == spec
+
+
+@pytest.mark.parametrize("patch, words", [
+    ("rounds = 0", "rounds"),
+    ("rounds = \"3\"", "rounds"),
+    ("bogus = 1", "unknown key bogus"),
+    ("outer_lr = 50.0", "outer_lr"),
+    ("batch_size = 0", "batch_size"),
+    ("time_budget_s = 100.0", "time_budget_s"),
+    ("min_members = 5\nmax_members = 2", "min_members"),
+])
+def test_absurd_values_name_the_key(patch, words):
+    keys = {line.split("=")[0].strip() for line in patch.splitlines()}
+    kept = "\n".join(line for line in SPEC_TOML.splitlines() if line.split("=")[0].strip() not in keys)
+    text = kept.replace("[task.model]", patch + "\n[task.model]")
+    with pytest.raises(ConfigError) as info:
+        load_spec_toml(text)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_nested_mistakes_name_the_key():
+    with pytest.raises(ConfigError, match="model.d_model"):
+        load_spec_toml(SPEC_TOML.replace("d_model = 32", "d_model = 33"))
+    with pytest.raises(ConfigError, match="adamw.lr"):
+        load_spec_toml(SPEC_TOML + "[task.adamw]\nlr = 5.0\n")
+    with pytest.raises(ConfigError, match="shorter than one training window"):
+        load_spec_toml(SPEC_TOML.replace("num_shards = 4", "num_shards = 65536"))
+    with pytest.raises(ConfigError, match="dataset.sha256"):
+        load_spec_toml(SPEC_TOML.replace("ab" * 32, "xyz"))
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_spec_toml("[task")
+
+
+def test_a_model_that_would_not_fit_is_refused():
+    with pytest.raises(ConfigError, match="too large|parameters"):
+        load_spec_toml(SPEC_TOML.replace("d_model = 32", "d_model = 8192").replace("n_layer = 1", "n_layer = 64"))
+
+
+def test_unknown_recipe_still_decodes_so_it_can_be_declined():
+    spec = dataclasses.replace(load_spec_toml(SPEC_TOML), recipe="mystery")
+    assert decode(encode(spec)).recipe == "mystery"
+
+
+def test_sealed_spec_and_tampering():
+    key = Keypair.from_label("initiator")
+    spec = load_spec_toml(SPEC_TOML)
+    sealed = seal(spec, key)
+    opened = open_sealed(sealed, expect=TaskSpec)
+    assert opened.signer == key.peer_id and opened.message == spec
+    tampered = bytearray(sealed)
+    tampered[-70] ^= 1
+    with pytest.raises((SignatureError, DecodeError)):
+        open_sealed(bytes(tampered), expect=TaskSpec)
+
+
+def test_round_messages_validate():
+    tid = "cd" * 32
+    h = "ef" * 32
+    TaskJoin(task_id=tid, peer_id="p", round=0)
+    with pytest.raises(ValueError):
+        TaskJoin(task_id="nothex", peer_id="p", round=0)
+    with pytest.raises(ValueError):
+        UpdateAnnounce(task_id=tid, round=0, producer="p", base_hash=h, samples=0, manifest_ids=(h,), losses=())
+    with pytest.raises(ValueError, match="sorted"):
+        AggregateAnnounce(task_id=tid, round=0, slice=0, aggregator="a", included=("b", "a"), manifest_id=h,
+                          result_hash=h)
+    with pytest.raises(ValueError):
+        WeightsAnnounce(task_id=tid, round=0, peer_id="p", weights_hash=h, state_hash=h, state_manifest="",
+                        eval_loss=float("nan"))
+    msg = UpdateAnnounce(task_id=tid, round=1, producer="p", base_hash=h, samples=5, manifest_ids=(h, h),
+                         losses=(1.0, 2.0))
+    assert decode(encode(msg)) == msg
