@@ -73,7 +73,8 @@ class SwarmNode:
                 self.ready_at = time.monotonic()
                 self.ready_event.set()
             elif line:
-                print(f"[node {self.index}] {line}", flush=True)
+                # stderr: stdout carries the launcher's JSON report.
+                print(f"[node {self.index}] {line}", file=sys.stderr, flush=True)
 
     def watch(self, interval_s: float, paths: str = "/peers,/status") -> None:
         argv = [sys.executable, "-m", "node.watch", "--url", self.control_url, "--interval-s", str(interval_s),
