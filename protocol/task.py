@@ -170,6 +170,8 @@ class TaskSpec:
         shard_bytes = self.dataset.max_bytes * 0.95 / self.dataset.num_shards
         _need(shard_bytes >= window, f"dataset shards of ~{int(shard_bytes)} bytes are shorter than one "
                                      f"training window of {window} bytes: use fewer shards or more bytes")
+        _need(self.dataset.max_bytes * 0.05 >= window, f"the held-out 5% of dataset.max_bytes is shorter than one "
+                                                       f"window of {window} bytes: raise dataset.max_bytes")
 
     def memory_estimate_bytes(self) -> int:
         """A rough peak for one trainer: weights, grads, AdamW moments, outer state, activations."""

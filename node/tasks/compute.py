@@ -1,0 +1,150 @@
+"""The tensor side of a round, run in threads: slices, int8 payloads, aggregation, the outer step, checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from node.train.compress import decode_int8, encode_int8, encoded_size, tensor_bytes
+from node.train.diloco import (Named, OuterNesterov, flatten, load_named, named_tensors, save_named, unflatten,
+                               weighted_mean_by_peer, weights_hash)
+from node.train.model import ModelConfig, init_model
+from protocol.errors import IntegrityError
+from protocol.manifest import Manifest
+from protocol.task import TaskSpec
+
+PAYLOAD = "int8"
+"""The one tensor in a slice manifest: the int8 payload as raw uint8 bytes."""
+MOMENTUM_PREFIX = "momentum."
+
+
+def model_config(spec: TaskSpec) -> ModelConfig:
+    m = spec.model
+    return ModelConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model, seq_len=m.seq_len)
+
+
+def initial_weights(spec: TaskSpec) -> Named:
+    return named_tensors(init_model(model_config(spec), spec.seed))
+
+
+def slice_bounds(numel: int, num_slices: int) -> list[tuple[int, int]]:
+    return [(numel * i // num_slices, numel * (i + 1) // num_slices) for i in range(num_slices)]
+
+
+def payload_tensor(data: bytes) -> dict[str, torch.Tensor]:
+    return {PAYLOAD: torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+
+
+def split_update(delta: Named, num_slices: int) -> list[bytes]:
+    """Δ flattened in sorted-name order, cut into slices, each int8-encoded."""
+    flat, _ = flatten(delta)
+    return [encode_int8(flat[a:b].contiguous()) for a, b in slice_bounds(flat.numel(), num_slices)]
+
+
+def payload_bytes(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int) -> bytes:
+    """The int8 payload of a slice manifest; IntegrityError unless it is exactly one tensor of the right size."""
+    expected = encoded_size(numel)
+    entries = manifest.tensors
+    if len(entries) != 1 or entries[0].name != PAYLOAD or entries[0].dtype != "uint8" \
+            or entries[0].shape != (expected,):
+        shapes = [(e.name, e.dtype, e.shape) for e in entries]
+        raise IntegrityError(f"slice payload must be one uint8 tensor {PAYLOAD!r} of {expected} bytes, got {shapes}")
+    return tensor_bytes(tensors[PAYLOAD])
+
+
+def decode_slice(data: bytes, numel: int) -> torch.Tensor:
+    try:
+        return decode_int8(data, numel)
+    except ValueError as exc:
+        raise IntegrityError(f"bad int8 slice: {exc}") from None
+
+
+def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytes, str]:
+    """Weighted mean (by samples, sorted producer order) of decoded slices, int8-encoded, and its hash."""
+    updates = {peer: ({"d": decode_slice(data, numel)}, float(samples)) for peer, (data, samples) in slices.items()}
+    mean = weighted_mean_by_peer(updates)["d"]
+    data = encode_int8(mean)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class OuterState:
+    """θ_r, the outer optimizer and the round they belong to: what a checkpoint holds."""
+
+    round: int
+    weights: Named
+    outer: OuterNesterov
+
+    def weights_hash(self) -> str:
+        return weights_hash(self.weights)
+
+    def state_tensors(self) -> Named:
+        return {**self.weights, **self.outer.state_dict()}
+
+    def state_hash(self) -> str:
+        return weights_hash(self.state_tensors())
+
+
+def new_state(spec: TaskSpec) -> OuterState:
+    return OuterState(round=0, weights=initial_weights(spec),
+                      outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
+
+
+def apply_aggregates(state: OuterState, payloads: list[bytes]) -> OuterState:
+    """θ_{r+1} from the chosen aggregate of every slice, through the deterministic outer Nesterov step."""
+    flat, layout = flatten(state.weights)
+    bounds = slice_bounds(flat.numel(), len(payloads))
+    mean = torch.cat([decode_slice(p, b - a) for p, (a, b) in zip(payloads, bounds)])
+    update = unflatten(mean, layout)
+    weights = state.outer.step(state.weights, update)
+    return OuterState(round=state.round + 1, weights=weights, outer=state.outer)
+
+
+def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_: str, state_hash: str) -> OuterState:
+    """Weights and momentum fetched from a peer, verified against the hashes the majority announced."""
+    tensors = {name: t.clone() for name, t in tensors.items()}
+    weights = {n: t for n, t in sorted(tensors.items()) if not n.startswith(MOMENTUM_PREFIX)}
+    momentum = {n: t for n, t in tensors.items() if n.startswith(MOMENTUM_PREFIX)}
+    reference = initial_weights(spec)
+    if {n: tuple(t.shape) for n, t in weights.items()} != {n: tuple(t.shape) for n, t in reference.items()}:
+        raise IntegrityError("fetched weights do not match the task's model layout")
+    if weights_hash(weights) != weights_hash_ or weights_hash(dict(sorted(tensors.items()))) != state_hash:
+        raise IntegrityError("fetched weights or optimizer state do not match the majority's hashes")
+    outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
+    outer.load_state_dict(momentum)
+    return OuterState(round=r, weights=weights, outer=outer)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+def save_checkpoint(directory: Path, state: OuterState) -> dict:
+    """weights, momentum, then meta.json last (atomic renames): a torn checkpoint never reads as whole."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_named(directory / "weights.safetensors", state.weights)
+    save_named(directory / "momentum.safetensors", state.outer.state_dict())
+    meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash()}
+    tmp = directory / f".meta.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, directory / "meta.json")
+    return meta
+
+
+def load_checkpoint(directory: Path, spec: TaskSpec) -> OuterState | None:
+    """The last complete checkpoint, or None if there is none or it does not verify."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        weights = load_named(directory / "weights.safetensors")
+        momentum = load_named(directory / "momentum.safetensors")
+    except (OSError, ValueError):
+        return None
+    outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
+    outer.load_state_dict(momentum)
+    state = OuterState(round=int(meta["round"]), weights=weights, outer=outer)
+    if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
+        return None
+    return state

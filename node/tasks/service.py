@@ -1,0 +1,226 @@
+"""The task service: hear signed task specs, judge them, join or decline, run each joined task; control routes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from node.control import HttpError, Request, Response
+from p2p.api import GossipMessage
+from protocol.envelope import open_sealed, seal
+from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
+from protocol.task import (DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, TaskSpec, load_spec_toml,
+                           spec_from_dict, spec_to_dict, task_id)
+
+log = logging.getLogger("shoal.tasks")
+
+MAX_KNOWN_TASKS = 256
+MIN_KEEP_MANIFESTS = 256
+"""Rounds publish and fetch many manifests (slices, aggregates, weights); the store must keep a few rounds'."""
+
+
+@dataclass(kw_only=True)
+class TaskOptions:
+    allowed_initiators: tuple[str, ...] = ()
+    """Peer ids whose specs this node accepts; empty accepts any signed spec."""
+    announce_interval_s: float = 2.0
+    listen_s: float = 5.0
+    """How long a new member listens for a running swarm's weights before it joins at round 0."""
+    dataset_wait_s: float = 30.0
+    eval_batches: int = 8
+    trainer_threads: int = 1
+    join: bool = True
+    specs_topic: str = SPECS_TOPIC
+    env: dict[str, str] = field(default_factory=dict)
+
+    def trainer_env(self) -> dict[str, str]:
+        return {**os.environ, "SHOAL_TRAIN_THREADS": str(self.trainer_threads), **self.env}
+
+
+@dataclass
+class KnownTask:
+    spec: TaskSpec
+    initiator: str
+    sealed: bytes
+    decision: str  # "joined" | "declined"
+    reason: str = ""
+    runner: object = None
+
+
+class TaskService:
+    def __init__(self, node, options: TaskOptions):
+        self.node, self.options = node, options
+        self.tasks: dict[str, KnownTask] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # -- judging specs ---------------------------------------------------------------------------
+
+    def judge(self, spec: TaskSpec, initiator: str) -> None:
+        """TaskRejected with the reason if this node will not run ``spec``."""
+        allowed = self.options.allowed_initiators
+        if allowed and initiator not in allowed:
+            raise TaskRejected(f"initiator {initiator} is not in allowed_initiators")
+        if spec.recipe not in KNOWN_RECIPES:
+            raise TaskRejected(f"unknown recipe {spec.recipe!r}; this node runs {list(KNOWN_RECIPES)}")
+        hardware = self.node.membership.hardware
+        if spec.requirements.device == "cuda" and not any(d.startswith("cuda") for d in hardware.devices):
+            raise TaskRejected("the task needs a CUDA device and this node has none")
+        need = max(spec.requirements.min_memory_bytes, spec.memory_estimate_bytes())
+        if hardware.memory_bytes and need > hardware.memory_bytes:
+            raise TaskRejected(f"the task needs about {need / 2**30:.1f} GiB and this node has "
+                               f"{hardware.memory_bytes / 2**30:.1f} GiB")
+        if not self.options.join:
+            raise TaskRejected("this node does not join tasks (join = false)")
+
+    def _validate_spec(self, msg: GossipMessage) -> bool:
+        return self.node.membership.check_gossip(msg, max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=TaskSpec) is not None
+
+    async def _consume_specs(self, messages) -> None:
+        async for msg in messages:
+            self.node.traffic.messages_in[SPECS_TOPIC] += 1
+            try:
+                signed = open_sealed(msg.data, max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=TaskSpec)
+            except RemoteProtocolError:
+                continue
+            await self.consider(signed.message, signed.signer, msg.data)
+
+    async def consider(self, spec: TaskSpec, initiator: str, sealed: bytes) -> KnownTask:
+        tid = task_id(spec)
+        known = self.tasks.get(tid)
+        if known is not None:
+            return known
+        if len(self.tasks) >= MAX_KNOWN_TASKS:
+            raise TaskRejected("this node tracks too many tasks already")
+        try:
+            self.judge(spec, initiator)
+        except TaskRejected as exc:
+            log.warning("declining task %s (%s) from %s: %s", tid[:12], spec.name, initiator, exc)
+            known = self.tasks[tid] = KnownTask(spec, initiator, sealed, "declined", str(exc))
+            return known
+        log.info("joining task %s (%s) from %s", tid[:12], spec.name, initiator)
+        known = self.tasks[tid] = KnownTask(spec, initiator, sealed, "joined")
+        directory = self.node.config.data_dir / "tasks" / tid
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "spec.sealed").write_bytes(sealed)
+        from node.tasks.runner import TaskRunner  # torch is imported with it
+        known.runner = TaskRunner(self.node, spec, tid, directory, self.options)
+        await self._nursery.start(known.runner.run, sealed)
+        return known
+
+    async def _resume(self) -> None:
+        """Tasks this node had joined before a restart: judged again, then resumed from their checkpoints."""
+        root = self.node.config.data_dir / "tasks"
+        for path in sorted(root.glob("*/spec.sealed")) if root.is_dir() else ():
+            try:
+                signed = open_sealed(path.read_bytes(), max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=TaskSpec)
+            except (RemoteProtocolError, OSError) as exc:
+                log.warning("not resuming %s: %s", path.parent.name, exc)
+                continue
+            await self.consider(signed.message, signed.signer, path.read_bytes())
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    async def publish(self, spec: TaskSpec) -> str:
+        """Sign ``spec`` as its initiator, gossip it and consider it here too."""
+        sealed = seal(spec, self.node.keypair)
+        try:
+            await self.node.host.publish(SPECS_TOPIC, sealed)
+            self.node.traffic.messages_out[SPECS_TOPIC] += 1
+        except TransportError as exc:
+            log.warning("task spec not gossiped yet (%s); peers will hear it from our re-announcements", exc)
+        await self.consider(spec, self.node.keypair.peer_id, sealed)
+        return task_id(spec)
+
+    # -- control API -----------------------------------------------------------------------------
+
+    def summary(self, tid: str, known: KnownTask) -> dict:
+        out = {"id": tid, "name": known.spec.name, "initiator": known.initiator, "decision": known.decision,
+               "reason": known.reason}
+        if known.runner is not None:
+            out.update(known.runner.status())
+        return out
+
+    def status(self) -> dict | None:
+        """The task this node is busiest with (the newest joined one), for /status."""
+        joined = [(tid, k) for tid, k in self.tasks.items() if k.runner is not None]
+        if not joined:
+            declined = [{"id": tid, "reason": k.reason} for tid, k in self.tasks.items()]
+            return {"declined": declined[-5:]} if declined else None
+        tid, known = joined[-1]
+        return self.summary(tid, known)
+
+    async def route_list(self, request: Request) -> Response:
+        return Response.json({"tasks": [self.summary(tid, k) for tid, k in self.tasks.items()]})
+
+    async def route_show(self, request: Request) -> Response:
+        tid = request.query.get("id", "")
+        matches = [t for t in self.tasks if t.startswith(tid)] if len(tid) >= 4 else []
+        if len(matches) != 1:
+            raise HttpError(404, f"no single task matches id {tid!r}; see /tasks")
+        known = self.tasks[matches[0]]
+        return Response.json({**self.summary(matches[0], known), "spec": spec_to_dict(known.spec)})
+
+    async def route_publish(self, request: Request) -> Response:
+        if request.method != "POST":
+            raise HttpError(405, "POST a task spec (TOML text under \"toml\", or the spec's fields)")
+        body = request.json()
+        now_ms = time.time_ns() // 1_000_000
+        try:
+            if isinstance(body, dict) and isinstance(body.get("toml"), str):
+                spec = load_spec_toml(body["toml"], created_ms=now_ms)
+            elif isinstance(body, dict):
+                spec = spec_from_dict(body, created_ms=now_ms)
+            else:
+                raise ConfigError("task spec: the body must be a JSON object")
+        except ConfigError as exc:
+            raise HttpError(400, str(exc)) from None
+        tid = await self.publish(spec)
+        known = self.tasks[tid]
+        return Response.json({"task_id": tid, "decision": known.decision, "reason": known.reason})
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        shardcast = getattr(self.node, "shardcast", None)
+        if shardcast is None:
+            raise ConfigError("the task service needs SHARDCAST: start the shardcast service before it")
+        # Why here: a round's slices, aggregates and weights must outlive the store's default GC window.
+        shardcast.config.keep_manifests = max(shardcast.config.keep_manifests, MIN_KEEP_MANIFESTS)
+        shardcast.config.max_known_manifests = max(shardcast.config.max_known_manifests, MIN_KEEP_MANIFESTS)
+        messages = self.node.host.subscribe(SPECS_TOPIC, self._validate_spec)
+        self.node.routes.update({"/tasks": self.route_list, "/task": self.route_show,
+                                 "/task/publish": self.route_publish})
+        self.node.status_sources["task"] = self.status
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._consume_specs, messages)
+            await self._resume()
+            task_status.started()
+
+
+def options_from_node(node) -> TaskOptions:
+    allowed = tuple(getattr(node.config, "allowed_initiators", ()) or ())
+    interval = min(2.0, max(0.2, node.config.heartbeat_interval_s))
+    return TaskOptions(allowed_initiators=allowed, announce_interval_s=interval, listen_s=2.5 * interval)
+
+
+def task_service(options: TaskOptions | None = None):
+    """A ServiceFactory with explicit options (tests, embedding)."""
+    async def start(node, nursery: trio.Nursery) -> TaskService:
+        service = TaskService(node, options or options_from_node(node))
+        await nursery.start(service.run)
+        node.tasks = service
+        return service
+    return start
+
+
+async def start_task_service(node, nursery: trio.Nursery) -> TaskService:
+    """The ServiceFactory for node/services.py; options come from the node's config."""
+    return await task_service()(node, nursery)
+
+
+__all__ = ["TaskOptions", "TaskService", "start_task_service", "task_service"]
