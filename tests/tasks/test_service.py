@@ -36,3 +36,46 @@ async def test_three_nodes_train_together_and_agree_every_round(network, tmp_pat
         assert status["id"] == tid and status["round"] == 3 and status["bytes"]["received"] > 0
         print("eval losses", losses)
         nursery.cancel_scope.cancel()
+
+
+def final_hash(node, tid):
+    r = runner(node, tid)
+    return r.state.weights_hash() if r and r.state else None
+
+
+async def test_a_node_killed_mid_task_does_not_stop_the_others(network, tmp_path):
+    spec = tiny_spec(rounds=3, min_members=3, round_deadline_s=4.0)
+    tid = task_id(spec)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abc"]
+        await swarm.connected()
+        await nodes[0].tasks.publish(spec)
+        victim = nodes[2]
+        await wait_until(lambda: runner(victim, tid) is not None and runner(victim, tid).phase.startswith("round 1"),
+                         timeout_s=60)
+        network.kill(victim.keypair.peer_id)
+        swarm.scopes["c"].cancel()
+        await wait_until(lambda: all(finished(n, tid) for n in nodes[:2]), timeout_s=90)
+        assert final_hash(nodes[0], tid) == final_hash(nodes[1], tid)
+        rounds_done = [x["round"] for x in runner(nodes[0], tid).agreement]
+        assert rounds_done == [0, 1, 2]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_late_joiner_catches_up_and_agrees(network, tmp_path):
+    spec = tiny_spec(rounds=5, min_members=2)
+    tid = task_id(spec)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        a, b = [await swarm.add(n) for n in "ab"]
+        await swarm.connected()
+        await a.tasks.publish(spec)
+        await wait_until(lambda: runner(a, tid) is not None and len(runner(a, tid).agreement) >= 2, timeout_s=60)
+        c = await swarm.add("c")  # hears the spec from the members' re-announcements
+        await wait_until(lambda: all(finished(n, tid) for n in (a, b, c)), timeout_s=90)
+        late = runner(c, tid)
+        assert late.agreement and late.agreement[0]["round"] >= 2, late.agreement
+        assert all(x["agreed"] for x in late.agreement)
+        assert final_hash(c, tid) == final_hash(a, tid) == final_hash(b, tid)
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,119 @@
+"""Bad input to the task service: refused with a clear reason, never run, never a crash."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from node import control
+from node.tasks import compute
+from node.train.compress import encode_int8
+from p2p.api import GossipMessage
+from protocol.envelope import seal
+from protocol.errors import IntegrityError
+from protocol.keys import Keypair
+from protocol.manifest import build_manifest, layout_tensors
+from protocol.task import load_spec_toml
+from tests.tasks.conftest import Swarm, runner, tiny_spec, wait_until
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-task.toml"
+
+
+def test_the_example_spec_loads():
+    spec = load_spec_toml(EXAMPLE.read_text())
+    assert spec.rounds == 10 and spec.min_members == 3 and spec.recipe == "tiny-lm"
+
+
+async def one_node(nursery, tmp_path, network, **options):
+    swarm = Swarm(nursery, tmp_path, network)
+    return await swarm.add("a", **options)
+
+
+async def test_unknown_recipe_is_declined_with_a_reason(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network)
+        spec = dataclasses.replace(tiny_spec(), recipe="mystery")
+        known = await node.tasks.consider(spec, "someone", seal(spec, Keypair.from_label("x")))
+        assert known.decision == "declined" and "unknown recipe 'mystery'" in known.reason
+        assert node.status()["task"]["declined"][0]["reason"] == known.reason
+        nursery.cancel_scope.cancel()
+
+
+async def test_initiator_not_allowed_is_declined(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network, allowed_initiators=("12D3KooWtrusted",))
+        spec = tiny_spec()
+        known = await node.tasks.consider(spec, "12D3KooWstranger", b"")
+        assert known.decision == "declined" and "allowed_initiators" in known.reason
+        nursery.cancel_scope.cancel()
+
+
+async def test_spec_with_a_bad_signature_is_dropped_and_costs_the_sender(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network)
+        sealed = bytearray(seal(tiny_spec(), Keypair.from_label("initiator")))
+        sealed[-10] ^= 0xFF  # inside the signature
+        msg = GossipMessage(topic="shoal/tasks/1", data=bytes(sealed), forwarder="evil", origin="evil")
+        assert node.tasks._validate_spec(msg) is False
+        assert node.membership.scores.score("evil", trio.current_time()) < 0
+        assert not node.tasks.tasks
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dataset_nobody_can_provide_is_declined(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network, dataset_wait_s=0.5)
+        spec = tiny_spec(min_members=1, dataset={"sha256": "00" * 32})
+        tid = await node.tasks.publish(spec)
+        await wait_until(lambda: runner(node, tid).phase == "declined", timeout_s=20)
+        assert "differs from this node's stdlib corpus" in runner(node, tid).detail
+        nursery.cancel_scope.cancel()
+
+
+async def test_publish_route_refuses_absurd_values_with_the_key(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network)
+        toml = EXAMPLE.read_text().replace("rounds = 10", "rounds = 0")
+        with pytest.raises(Exception) as info:
+            await trio.to_thread.run_sync(lambda: control.call(node.control_url + "/task/publish", body={"toml": toml}))
+        assert "rounds" in str(info.value)
+        listed = await trio.to_thread.run_sync(lambda: control.call(node.control_url + "/tasks"))
+        assert listed == {"tasks": []}
+        nursery.cancel_scope.cancel()
+
+
+def _manifest_for(tensors):
+    entries, total = layout_tensors([(n, "uint8", tuple(t.shape)) for n, t in tensors.items()])
+    return build_manifest(bytes(total), shard_bytes=1024, kind="tensors", tensors=entries)
+
+
+def test_a_slice_with_the_wrong_shape_or_bytes_is_rejected():
+    numel = 1000
+    good = encode_int8(torch.randn(numel))
+    tensors = compute.payload_tensor(good)
+    assert compute.payload_bytes(_manifest_for(tensors), tensors, numel) == good
+    short = compute.payload_tensor(good[:-1])
+    with pytest.raises(IntegrityError, match="one uint8 tensor"):
+        compute.payload_bytes(_manifest_for(short), short, numel)
+    extra = {**tensors, "more": torch.zeros(3, dtype=torch.uint8)}
+    with pytest.raises(IntegrityError):
+        compute.payload_bytes(_manifest_for(extra), extra, numel)
+    bad_scale = bytearray(good)
+    bad_scale[0:4] = bytes.fromhex("0000c0ff")  # a NaN block scale
+    with pytest.raises(IntegrityError, match="bad int8 slice"):
+        compute.decode_slice(bytes(bad_scale), numel)
+
+
+def test_aggregate_is_deterministic_and_in_sorted_producer_order():
+    numel = 777
+    a, b = encode_int8(torch.randn(numel)), encode_int8(torch.randn(numel))
+    one = compute.aggregate({"p1": (a, 10), "p2": (b, 30)}, numel)
+    two = compute.aggregate({"p2": (b, 30), "p1": (a, 10)}, numel)
+    assert one == two and len(one[1]) == 64
+    assert json.dumps(one[1])
