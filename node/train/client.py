@@ -79,13 +79,14 @@ class TrainerClient:
             env=self._env,
         )
 
-    async def stop(self) -> None:
-        """Close stdin so the worker exits on EOF; kill it by pid if it has not within CLEANUP_S."""
+    async def stop(self, *, graceful: bool = True) -> None:
+        """Close stdin so the worker exits on EOF; kill it by pid if it has not within CLEANUP_S
+        (at once when not graceful: a worker in the middle of a request would not read the EOF)."""
         process, self._process = self._process, None
         if process is None:
             return
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(CLEANUP_S):
+            with trio.move_on_after(CLEANUP_S if graceful else 0):
                 await process.stdin.aclose()
                 await process.wait()
             if process.returncode is None:
@@ -100,7 +101,7 @@ class TrainerClient:
 
     async def _crashed(self, what: str) -> TrainerCrashed:
         process = self._process
-        await self.stop()
+        await self.stop(graceful=False)
         code = process.returncode if process is not None else None
         return TrainerCrashed(f"trainer process {process.pid if process else '?'} {what} (exit code {code})")
 
@@ -137,7 +138,7 @@ class TrainerClient:
                 except ValueError as exc:
                     raise await self._crashed(f"sent an undecodable frame ({exc})") from None
             except trio.Cancelled:
-                await self.stop()  # shielded inside; the child's work is abandoned with the caller
+                await self.stop(graceful=False)  # shielded; the child's work is abandoned with the caller
                 raise
             if not isinstance(reply, dict) or reply.get("id") != rid:
                 raise await self._crashed(f"answered request {rid} with {str(reply)[:80]!r}")

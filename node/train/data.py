@@ -16,9 +16,13 @@ from protocol.errors import ConfigError
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
 HELDOUT_FRACTION = 0.05
 
-# Tests and GUI demos are skipped as noise; site-packages differs per machine; config-* and
-# _sysconfigdata* embed this build's install paths, so no two builds would agree on them.
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "__pycache__"}
+# Tests and GUI demos are skipped as noise; encodings/ and pydoc_data/ are generated tables
+# that would fill the sorted prefix (and the held-out tail) with near-identical lines;
+# site-packages differs per machine; config-* and _sysconfigdata* embed this build's paths.
+_SKIP_DIRS = {
+    "site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "__pycache__",
+    "encodings", "pydoc_data",
+}
 _SKIP_DIR_PREFIXES = ("config-",)
 _SKIP_FILE_PREFIXES = ("_sysconfigdata",)
 

@@ -19,7 +19,7 @@ import torch
 
 from node.train.compress import ErrorFeedback, decode_int8, encode_int8
 from node.train.data import DEFAULT_CORPUS_BYTES, build_corpus, derive_seed, split_corpus
-from node.train.diloco import OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
+from node.train.diloco import Named, OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
 from node.train.inner import AdamWConfig, evaluate, train_inner
 from node.train.model import ModelConfig, init_model, num_params
 from protocol.rendezvous import assign_shards
@@ -38,6 +38,7 @@ class SimSetup:
     eval_batches: int = 32
     eval_batch_size: int = 16
     seed: int = 0
+    pretrain_steps: int = 0  # shared single-worker steps before the compared runs (the DiLoCo paper's warm start)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,28 +54,40 @@ def _data(setup: SimSetup) -> tuple[list[bytes], bytes]:
     return split_corpus(build_corpus(setup.corpus_bytes), setup.num_shards)
 
 
+def start_weights(setup: SimSetup) -> Named:
+    """The common starting point: the seeded init, then pretrain_steps of single-worker training."""
+    weights = named_tensors(init_model(setup.model, setup.seed))
+    if setup.pretrain_steps:
+        shards, _ = _data(setup)
+        weights = train_inner(
+            model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=setup.pretrain_steps,
+            batch_size=setup.batch_size, seed=derive_seed(TASK_ID, "pretrain"), adamw=setup.adamw,
+        ).weights
+    return weights
+
+
 def _eval(setup: SimSetup, weights, heldout: bytes) -> float:
     return evaluate(setup.model, weights, heldout, setup.eval_batches, seed=setup.seed + 1, batch_size=setup.eval_batch_size)
 
 
-def run_single(setup: SimSetup, *, steps: int) -> SimResult:
+def run_single(setup: SimSetup, *, steps: int, start: Named | None = None) -> SimResult:
     """One worker, batch_size per step, for steps steps."""
-    start = time.monotonic()
+    t0 = time.monotonic()
     shards, heldout = _data(setup)
-    weights = named_tensors(init_model(setup.model, setup.seed))
+    weights = start if start is not None else start_weights(setup)
     result = train_inner(
         model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=steps,
         batch_size=setup.batch_size, seed=derive_seed(TASK_ID, "single"), adamw=setup.adamw,
     )
     loss = _eval(setup, result.weights, heldout)
-    return SimResult(name="single", eval_loss=loss, samples=result.samples, bytes_per_node=0, seconds=time.monotonic() - start)
+    return SimResult(name="single", eval_loss=loss, samples=result.samples, bytes_per_node=0, seconds=time.monotonic() - t0)
 
 
-def run_ddp(setup: SimSetup, *, workers: int, steps: int) -> SimResult:
+def run_ddp(setup: SimSetup, *, workers: int, steps: int, start: Named | None = None) -> SimResult:
     """Synchronous data parallel: K workers' gradients averaged every step (a ring all-reduce)."""
-    start = time.monotonic()
+    t0 = time.monotonic()
     shards, heldout = _data(setup)
-    weights = named_tensors(init_model(setup.model, setup.seed))
+    weights = start if start is not None else start_weights(setup)
     result = train_inner(
         model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=steps,
         batch_size=workers * setup.batch_size, seed=derive_seed(TASK_ID, "ddp"), adamw=setup.adamw,
@@ -82,7 +95,7 @@ def run_ddp(setup: SimSetup, *, workers: int, steps: int) -> SimResult:
     model_bytes = 4 * sum(t.numel() for t in weights.values())
     sent = steps * 2 * (workers - 1) * model_bytes // workers
     loss = _eval(setup, result.weights, heldout)
-    return SimResult(name="ddp", eval_loss=loss, samples=result.samples, bytes_per_node=sent, seconds=time.monotonic() - start)
+    return SimResult(name="ddp", eval_loss=loss, samples=result.samples, bytes_per_node=sent, seconds=time.monotonic() - t0)
 
 
 def run_diloco(
@@ -95,14 +108,15 @@ def run_diloco(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     error_feedback: bool = False,
+    start: Named | None = None,
 ) -> SimResult:
     """DiLoCo rounds as the swarm runs them; bytes per node ~ 2x the compressed update per round
     (reduce-scatter of each node's update to the shard aggregators, all-gather of the mean)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    start = time.monotonic()
+    t0 = time.monotonic()
     shards, heldout = _data(setup)
-    theta = named_tensors(init_model(setup.model, setup.seed))
+    theta = start if start is not None else start_weights(setup)
     outer = OuterNesterov(lr=outer_lr, momentum=outer_momentum)
     peers = [f"peer-{i}" for i in range(workers)]
     inner_states: dict[str, dict] = {}
@@ -134,15 +148,16 @@ def run_diloco(
             sent += 2 * 4 * mean.numel()
         theta = outer.step(theta, unflatten(mean, layout))
     loss = _eval(setup, theta, heldout)
-    return SimResult(name=f"diloco-{compression}", eval_loss=loss, samples=samples, bytes_per_node=sent, seconds=time.monotonic() - start)
+    return SimResult(name=f"diloco-{compression}", eval_loss=loss, samples=samples, bytes_per_node=sent, seconds=time.monotonic() - t0)
 
 
 def compare(setup: SimSetup, *, workers: int, rounds: int, inner_steps: int, **diloco_options) -> list[SimResult]:
-    """The three runs on the same total samples: K·R·H·batch_size sequences each."""
+    """The three runs from one start on the same total samples: K·R·H·batch_size sequences each."""
+    start = start_weights(setup)
     return [
-        run_single(setup, steps=workers * rounds * inner_steps),
-        run_ddp(setup, workers=workers, steps=rounds * inner_steps),
-        run_diloco(setup, workers=workers, rounds=rounds, inner_steps=inner_steps, **diloco_options),
+        run_single(setup, steps=workers * rounds * inner_steps, start=start),
+        run_ddp(setup, workers=workers, steps=rounds * inner_steps, start=start),
+        run_diloco(setup, workers=workers, rounds=rounds, inner_steps=inner_steps, start=start, **diloco_options),
     ]
 
 
@@ -158,6 +173,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--pretrain-steps", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=64)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--compression", choices=COMPRESSIONS, default="int8")
     parser.add_argument("--error-feedback", action="store_true")
@@ -165,7 +182,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len)
-    setup = SimSetup(model=model, adamw=AdamWConfig(lr=args.lr, warmup_steps=args.warmup_steps), batch_size=args.batch_size)
+    setup = SimSetup(
+        model=model, adamw=AdamWConfig(lr=args.lr, warmup_steps=args.warmup_steps), batch_size=args.batch_size,
+        num_shards=args.num_shards, pretrain_steps=args.pretrain_steps,
+    )
     print(f"params {num_params(init_model(model, 0))}  {dataclasses.asdict(setup)}")
     results = compare(
         setup, workers=args.workers, rounds=args.rounds, inner_steps=args.inner_steps,

@@ -1,0 +1,26 @@
+"""Reference runs: single, data parallel and DiLoCo finish with sane losses and byte counts."""
+
+import math
+
+import pytest
+
+from node.train.inner import AdamWConfig
+from node.train.model import ModelConfig
+from node.train.simulate import SimSetup, compare, run_diloco
+
+SETUP = SimSetup(model=ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=16), adamw=AdamWConfig(lr=1e-2),
+                 batch_size=4, corpus_bytes=128 * 1024, num_shards=4, eval_batches=4, eval_batch_size=4, pretrain_steps=3)
+
+
+@pytest.mark.slow
+def test_runs_see_the_same_samples_and_diloco_sends_less():
+    single, ddp, diloco = compare(SETUP, workers=2, rounds=2, inner_steps=5)
+    assert single.samples == ddp.samples == diloco.samples == 2 * 2 * 5 * 4
+    for r in (single, ddp, diloco):
+        assert math.isfinite(r.eval_loss) and 1.0 < r.eval_loss < math.log(256) + 0.5
+    assert single.bytes_per_node == 0 and ddp.bytes_per_node > 2 * diloco.bytes_per_node > 0
+
+
+def test_diloco_rejects_unknown_compression():
+    with pytest.raises(ValueError, match="compression"):
+        run_diloco(SETUP, workers=2, rounds=1, inner_steps=1, compression="fp4")
