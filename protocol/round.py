@@ -126,8 +126,14 @@ class RoundMachine:
 
     def on_join(self, msg: TaskJoin) -> None:
         if msg.task_id == self.task_id:
-            # The earliest round a peer claims wins: a rejoin never removes it from rounds it is in.
-            self.joins[msg.peer_id] = min(msg.round, self.joins.get(msg.peer_id, msg.round))
+            self._joined(msg.peer_id, msg.round)
+
+    def _joined(self, peer: str, r: int) -> None:
+        # The earliest round a peer claims wins: a rejoin never removes it from rounds it is in.
+        # Updates and weights count as joins too, so a node that arrives late (and never saw the
+        # members' TaskJoin messages) still learns who the members are.
+        if r < self.joins.get(peer, r + 1):
+            self.joins[peer] = r
             self._members.clear()
 
     def set_alive(self, peers: set[str], now: float) -> list[Effect]:
@@ -209,6 +215,7 @@ class RoundMachine:
             self.dropped["wrong_base"] += 1
             return []
         rec.updates.setdefault(msg.producer, msg)
+        self._joined(msg.producer, msg.round)
         return self._check_collect(rec, now)
 
     def on_aggregate(self, msg: AggregateAnnounce, now: float) -> list[Effect]:
@@ -220,7 +227,10 @@ class RoundMachine:
         return self._check_gather(rec, now)
 
     def on_weights(self, msg: WeightsAnnounce, now: float) -> list[Effect]:
-        rec = self._round(msg.round) if msg.task_id == self.task_id else None
+        if msg.task_id != self.task_id:
+            return []
+        self._joined(msg.peer_id, msg.round + 1)
+        rec = self._round(msg.round)
         if rec is None or rec.majority_done:
             self.dropped["late_weights"] += 1
             return []

@@ -53,6 +53,7 @@ class TaskRunner:
         self._verdicts: dict[int, Any] = {}
         self._changed = trio.Event()
         self._bytes_at_start = (0, 0)
+        self.observe_rounds: set[int] = set()
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -229,7 +230,9 @@ class TaskRunner:
             if latest is not None:
                 state = await self.exchange.sync(latest, saved)
                 if state is not None:
-                    await self.publish(TaskJoin(task_id=self.tid, peer_id=self.me, round=state.round))
+                    # The swarm may be mid-round already: follow that round, produce from the next.
+                    self.observe_rounds = {state.round}
+                    await self.publish(TaskJoin(task_id=self.tid, peer_id=self.me, round=state.round + 1))
                     return state
             fresh = any(r == 0 for p, r in self.machine.joins.items() if p != self.me)
             if latest is None and (fresh or trio.current_time() >= listen_until):
@@ -247,21 +250,17 @@ class TaskRunner:
 
     async def _round(self, state: compute.OuterState) -> compute.OuterState:
         r, spec = state.round, self.spec
-        self.phase = f"round {r}: training"
+        producing = r not in self.observe_rounds
+        self.phase = f"round {r}: {'training' if producing else 'following'}"
         base_path = self.dir / "weights.safetensors"
         await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
         base_hash = state.weights_hash()
-        self.dispatch(self.machine.start_round(r, base_hash=base_hash, producing=True, now=trio.current_time()))
-        result = await self._train(r, base_path)
-        delta = await trio.to_thread.run_sync(load_named, result.out_path)
-        payloads = await trio.to_thread.run_sync(compute.split_update, delta, spec.aggregation_shards)
-        ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{r}/u{s}") for s, p in enumerate(payloads)]
-        self.train_losses = result.losses
-        await self.publish(UpdateAnnounce(task_id=self.tid, round=r, producer=self.me, base_hash=base_hash,
-                                          samples=result.samples, manifest_ids=tuple(ids),
-                                          losses=tuple(x for _, x in result.losses[-8:])))
+        self.dispatch(self.machine.start_round(r, base_hash=base_hash, producing=producing, now=trio.current_time()))
+        if producing:
+            await self._produce(r, base_path, base_hash)
         self.phase = f"round {r}: aggregating"
         outcome = await self._wait(self._outcomes, r, "aggregates", 4 * spec.round_deadline_s)
+
         new = await self.exchange.apply(state, outcome)
         meta = await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, new)
         eval_loss = await self._evaluate()
@@ -286,6 +285,17 @@ class TaskRunner:
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], r, eval_loss,
                  new.weights_hash()[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
         return new
+
+    async def _produce(self, r: int, base_path: Path, base_hash: str) -> None:
+        """Train from θ_r, then publish Δ's int8 slices over SHARDCAST and announce them."""
+        result = await self._train(r, base_path)
+        delta = await trio.to_thread.run_sync(load_named, result.out_path)
+        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
+        ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{r}/u{s}") for s, p in enumerate(payloads)]
+        self.train_losses = result.losses
+        await self.publish(UpdateAnnounce(task_id=self.tid, round=r, producer=self.me, base_hash=base_hash,
+                                          samples=result.samples, manifest_ids=tuple(ids),
+                                          losses=tuple(x for _, x in result.losses[-8:])))
 
     async def _train(self, r: int, base_path: Path):
         spec = self.spec
