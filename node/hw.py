@@ -122,7 +122,7 @@ def summary(report: HardwareReport) -> dict:
     return {
         "devices": devices[:SUMMARY_MAX_DEVICES] or ["cpu"],
         "memory_bytes": gpu_memory_bytes or report.ram.total_bytes,
-        "tflops": round(max(ok, default=0.0), 3),
+        "tflops": max(ok, default=0.0),
     }
 
 
@@ -322,7 +322,8 @@ def benchmark_matmul(torch, device: str, dtype_name: str, budget_s: float) -> Be
     except RuntimeError as error:  # out of memory, or bf16 kernels missing on this device
         return BenchResult(device=device, dtype=dtype_name, size=size, reps=0, seconds=0.0, tflops=0.0,
                            error=_first_line(error))
-    tflops = round(2 * size**3 * reps / max(seconds, 1e-9) / 1e12, 4)
+    # Significant digits, not decimals: a busy or slow CPU still reports a non-zero rate.
+    tflops = float(f"{2 * size**3 * reps / max(seconds, 1e-9) / 1e12:.4g}")
     return BenchResult(device=device, dtype=dtype_name, size=size, reps=reps, seconds=round(seconds, 4), tflops=tflops)
 
 
@@ -379,7 +380,7 @@ def render(report: HardwareReport, console) -> None:
     if report.benchmarks:
         bench = _table("matmul benchmark", "Device", "dtype", "n", "reps", "seconds", "TFLOP/s")
         for result in report.benchmarks:
-            tflops = f"[red]{escape(result.error)}[/red]" if result.error else f"{result.tflops:.3f}"
+            tflops = f"[red]{escape(result.error)}[/red]" if result.error else f"{result.tflops:.3g}"
             sizes = (str(result.size), str(result.reps), f"{result.seconds:.3f}")
             bench.add_row(result.device, result.dtype, *sizes, tflops)
         console.print(bench)
