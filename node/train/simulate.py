@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -53,8 +54,13 @@ class SimResult:
     seconds: float
 
 
+@functools.lru_cache(maxsize=2)
+def _split(corpus_bytes: int, num_shards: int) -> tuple[list[bytes], bytes]:
+    return split_corpus(build_corpus(corpus_bytes), num_shards)
+
+
 def _data(setup: SimSetup) -> tuple[list[bytes], bytes]:
-    return split_corpus(build_corpus(setup.corpus_bytes), setup.num_shards)
+    return _split(setup.corpus_bytes, setup.num_shards)
 
 
 def start_weights(setup: SimSetup) -> Named:
