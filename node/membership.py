@@ -59,6 +59,9 @@ class Membership:
                  version: str, traffic: Traffic):
         self.config, self.keypair, self.host, self.hardware = config, keypair, host, hardware
         self.version, self.traffic = version, traffic
+        # Export the topic's counters from the start, not only after the first message.
+        traffic.messages_in[ANNOUNCE_TOPIC] += 0
+        traffic.messages_out[ANNOUNCE_TOPIC] += 0
         self.table = PeerTable(self_id=keypair.peer_id, suspect_after_s=config.suspect_after_s,
                                dead_after_s=config.dead_after_s, forget_after_s=max(300.0, 10 * config.dead_after_s))
         self.scores = Scoreboard()

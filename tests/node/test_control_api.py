@@ -17,10 +17,14 @@ def get(url):
         return resp.status, resp.headers["Content-Type"], resp.read().decode()
 
 
+CALM = dict(heartbeat_interval_s=0.5, suspect_after_s=5.0, dead_after_s=10.0)
+
+
 async def test_status_peers_and_metrics(network, tmp_path):
     async with trio.open_nursery() as nursery:
-        a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
-        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=a.host.listen_addrs()), network.open_host)
+        a, _ = await start_node(nursery, fast_config(tmp_path / "a", **CALM), network.open_host)
+        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=a.host.listen_addrs(), **CALM),
+                                network.open_host)
         await wait_until(lambda: a.membership.table.alive() == [b.keypair.peer_id])
         status = await trio.to_thread.run_sync(call, a.control_url + "/status")
         assert status["peer_id"] == a.keypair.peer_id and status["peers"]["alive"] == 1
