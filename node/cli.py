@@ -171,7 +171,9 @@ def peers(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
 
 def main() -> None:
     from node.shard_cli import shard_app
+    from node.task_cli import task_app
     app.add_typer(shard_app, name="shard")
+    app.add_typer(task_app, name="task")
     app()
 
 

@@ -39,6 +39,8 @@ class NodeConfig:
     max_peers: int = 64
     gossip_rate_per_s: float = 20.0
     gossip_burst: int = 60
+    allowed_initiators: list[str] = field(default_factory=list)
+    """Peer ids whose tasks this node accepts; empty accepts any signed task."""
     hardware_benchmark: bool = True
     shard_single_source: bool = False
     """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
@@ -72,6 +74,9 @@ class NodeConfig:
                 need(addr.startswith("/"), key, f"{addr!r} is not a multiaddr (like /ip4/1.2.3.4/tcp/4001)")
         for addr in self.bootstrap:
             need("/p2p/" in addr, "bootstrap", f"{addr!r} needs its /p2p/<peer id> suffix (see `shoal id` on that node)")
+        for peer_id in self.allowed_initiators:
+            need(peer_id.startswith(("12D3KooW", "Qm", "16Uiu2")), "allowed_initiators",
+                 f"{peer_id!r} is not a peer id (as `shoal id` prints it)")
         unknown = set(self.roles) - KNOWN_ROLES
         need(not unknown, "roles", f"unknown role(s) {sorted(unknown)}; choose from {sorted(KNOWN_ROLES)}")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",

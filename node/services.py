@@ -7,4 +7,5 @@ from node.daemon import ServiceFactory
 
 def default_services() -> list[ServiceFactory]:
     from node.shard_api import start_shardcast
-    return [start_shardcast]
+    from node.tasks import start_task_service
+    return [start_shardcast, start_task_service]

@@ -29,6 +29,10 @@ TICK_S = 0.1
 MAX_DISSENTS = 32
 
 
+MAX_STATUS_ROUNDS = 200
+"""Per-round history kept in /status: enough for dashboards and the swarm launcher, bounded for long tasks."""
+
+
 class TaskRunner:
     def __init__(self, node, spec: TaskSpec, tid: str, directory: Path, options):
         self.node, self.spec, self.tid, self.dir, self.options = node, spec, tid, directory, options
@@ -67,7 +71,7 @@ class TaskRunner:
             "weights_hash": self.state.weights_hash() if self.state else None,
             "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
             "eval_losses": [[i, round(x, 4)] for i, x in self.eval_losses],
-            "agreement": self.agreement[-5:], "dissents": self.dissents[-5:],
+            "agreement": self.agreement[-MAX_STATUS_ROUNDS:], "dissents": self.dissents[-5:],
             "bytes": {"sent": stats.bytes_served - self._bytes_at_start[0],
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
             "dropped": dict(self.machine.dropped),
@@ -281,7 +285,8 @@ class TaskRunner:
                 await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, new)
         self.agreement.append({"round": r, "weights_hash": new.weights_hash()[:16],
                                "agreed": isinstance(verdict, Agreed),
-                               "peers_agreeing": verdict.num_agree if isinstance(verdict, Agreed) else None})
+                               "peers_agreeing": verdict.num_agree if isinstance(verdict, Agreed) else None,
+                               "eval_loss": round(eval_loss, 4), "members": len(self.machine.members(r))})
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], r, eval_loss,
                  new.weights_hash()[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
         return new
