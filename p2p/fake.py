@@ -98,11 +98,6 @@ class FakeStream:
         stats.bytes_sent += len(data)
         stats.bytes_sent_by_peer[self.remote_peer] = stats.bytes_sent_by_peer.get(self.remote_peer, 0) + len(data)
 
-    async def expect(self, nbytes: int) -> None:
-        """The fake's buffers need no flow-control ramp-up; checked only like the real one."""
-        if nbytes < 0:
-            raise ValueError("nbytes must not be negative")
-
     async def close_write(self) -> None:
         await trio.lowlevel.checkpoint()
         if self._out.broken:

@@ -47,9 +47,6 @@ MAX_PENDING_FORWARDERS = 4096
 """Validated messages whose forwarder we remember until the subscription consumer picks them up."""
 
 # Errors a libp2p stream raises once its stream or connection is gone (EOF is handled separately).
-_YAMUX_MAX_WINDOW_BYTES = 16 * 1024 * 1024
-"""py-libp2p's own cap on a yamux receive window (MAX_WINDOW_SIZE)."""
-
 _STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -90,28 +87,6 @@ class _Stream:
         self._stats.bytes_sent += len(payload)
         by_peer = self._stats.bytes_sent_by_peer
         by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(payload)
-
-    async def expect(self, nbytes: int) -> None:
-        """Open the yamux receive window for ``nbytes`` at once.
-
-        A new yamux stream starts with a 256 KiB window, and py-libp2p's writer polls every 10 ms
-        once it has used it up, so a stream that carries one shard would never leave that slow
-        start (about 25 MB/s here). A WINDOW_UPDATE sized to the transfer removes the stall.
-        """
-        muxed = getattr(self._raw, "muxed_stream", None)
-        if muxed is None or not hasattr(muxed, "send_window_update") or not hasattr(muxed, "window_lock"):
-            return
-        target = min(max(0, nbytes), _YAMUX_MAX_WINDOW_BYTES)
-        async with muxed.window_lock:
-            delta = target - muxed.recv_window
-            if delta <= 0:
-                return
-            muxed.recv_window += delta
-            muxed.target_recv_window = max(muxed.target_recv_window, muxed.recv_window)
-        try:
-            await muxed.send_window_update(delta)
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
 
     async def close_write(self) -> None:
         try:

@@ -67,8 +67,6 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
         with trio.fail_after(deadlines.overall_s(nbytes)):
             await _step(deadlines, send_message(stream, ShardRequest(manifest_id=manifest_id, index=index,
                                                                       fallback=fallback)))
-            # Grant the whole shard's flow-control credit now: a fresh stream would otherwise crawl.
-            await _step(deadlines, stream.expect(nbytes + CONTROL_MAX_BYTES))
             header = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardHeader))
             if header is None:
                 raise StreamClosed("stream ended before the shard header")
