@@ -143,6 +143,8 @@ class TaskSpec:
     requirements: Requirements
     seed: int
     created_ms: int
+    init_manifest: str
+    """SHARDCAST manifest id (hex) of the starting weights as named tensors; "" starts from ``seed``."""
 
     def __post_init__(self) -> None:
         # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
@@ -166,6 +168,8 @@ class TaskSpec:
               f"need 1 <= min_members <= max_members <= {MAX_MEMBERS}")
         _need(self.aggregation_shards <= self.model.num_params(), "aggregation_shards exceeds the parameter count")
         _need(0 <= self.seed < 2**63 and 0 <= self.created_ms < 2**63, "seed and created_ms must fit in 63 bits")
+        _need(self.init_manifest == "" or _is_hex_hash(self.init_manifest),
+              "init_manifest must be a SHARDCAST manifest id (64 lowercase hex characters) or \"\"")
         window = self.model.seq_len + 1
         shard_bytes = self.dataset.max_bytes * 0.95 / self.dataset.num_shards
         _need(shard_bytes >= window, f"dataset shards of ~{int(shard_bytes)} bytes are shorter than one "
@@ -298,7 +302,7 @@ _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "require
 _DEFAULTS: dict[str, Any] = {
     "recipe": "tiny-lm", "time_budget_s": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "int8",
     "aggregation_shards": 2, "aggregators_per_shard": 2, "min_members": 1, "max_members": 64, "seed": 0,
-    "created_ms": 0, "round_deadline_s": 120.0,
+    "created_ms": 0, "round_deadline_s": 120.0, "init_manifest": "",
     "adamw": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "warmup_steps": 0},
     "requirements": {"min_memory_bytes": 0, "device": "any"},
 }

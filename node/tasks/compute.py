@@ -105,6 +105,22 @@ def apply_aggregates(state: OuterState, payloads: list[bytes]) -> OuterState:
     return OuterState(round=state.round + 1, weights=weights, outer=state.outer)
 
 
+def state_from_initial(spec: TaskSpec, tensors: Named) -> OuterState:
+    """θ_0 from the spec's initial weights; IntegrityError unless they are exactly the model's float32 layout."""
+    weights = {name: t.detach().clone() for name, t in sorted(tensors.items())}
+    reference = initial_weights(spec)
+    layout = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
+    expected = {n: (tuple(t.shape), t.dtype) for n, t in reference.items()}
+    if layout != expected:
+        missing, extra = sorted(set(expected) - set(layout)), sorted(set(layout) - set(expected))
+        wrong = sorted(n for n in set(layout) & set(expected) if layout[n] != expected[n])
+        raise IntegrityError(f"initial weights do not match the task's model: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}, wrong shape or dtype {wrong[:3]}")
+    if not all(bool(torch.isfinite(t).all()) for t in weights.values()):
+        raise IntegrityError("initial weights hold NaN or infinite values")
+    return OuterState(round=0, weights=weights, outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
+
+
 def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_: str, state_hash: str) -> OuterState:
     """Weights and momentum fetched from a peer, verified against the hashes the majority announced."""
     tensors = {name: t.clone() for name, t in tensors.items()}

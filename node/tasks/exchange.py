@@ -137,6 +137,31 @@ class Exchange:
             return compute.OuterState(round=state.round + 1, weights=state.weights, outer=state.outer)
         return await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads)
 
+    async def fetch_initial(self, manifest_hex: str) -> dict:
+        """The spec's initial weights: a tensors manifest, or a file manifest of a safetensors file.
+
+        Any signer will do: the id pins the manifest, which pins every shard's hash. Safetensors is
+        parsed, never executed. Layout checks are the caller's (compute.state_from_initial).
+        """
+        runner = self.runner
+        with trio.fail_after(runner.spec.round_deadline_s):
+            manifest = await self.shardcast.fetch(bytes.fromhex(manifest_hex))
+        if manifest.kind == KIND_TENSORS:
+            return await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
+        limit = 64 * runner.spec.model.num_params() + (1 << 20)
+        if manifest.total_bytes > limit:
+            raise IntegrityError(f"initial weights file of {manifest.total_bytes} bytes is far larger than the model")
+        path = runner.dir / "init.safetensors"
+
+        def load() -> dict:
+            from node.train.diloco import load_named
+            self.shardcast.export_file(manifest, path)
+            try:
+                return load_named(path)
+            except Exception as exc:  # safetensors raises its own error kinds for a malformed header
+                raise IntegrityError(f"initial weights are not a safetensors file: {exc}") from None
+        return await trio.to_thread.run_sync(load)
+
     # -- weights for joiners and dissenters --------------------------------------------------------
 
     async def fetch_state(self, r: int, weights_hash: str, state_hash: str,

@@ -58,8 +58,23 @@ class TaskRunner:
         self._changed = trio.Event()
         self._bytes_at_start = (0, 0)
         self.observe_rounds: set[int] = set()
+        self._hash_of: tuple[int, str] = (-1, "")
+        self.train_s = 0.0
+        self._round_train_s = 0.0
+        """Seconds the trainer child reported training, all rounds together."""
+        self.rounds_s = 0.0
+        """Wall seconds of the rounds this node took part in, from round start to the weights verdict."""
 
     # -- status ----------------------------------------------------------------------------------
+
+    def _weights_hash(self) -> str | None:
+        # Polled by watchers every fraction of a second: hashing the weights each time would put
+        # a full pass over the model on the trio thread, so the hash is kept per state object.
+        if self.state is None:
+            return None
+        if self._hash_of[0] != id(self.state):
+            self._hash_of = (id(self.state), self.state.weights_hash())
+        return self._hash_of[1]
 
     def status(self) -> dict:
         stats = self.node.shardcast.statistics()
@@ -68,13 +83,14 @@ class TaskRunner:
             "id": self.tid, "name": self.spec.name, "phase": self.phase, "detail": self.detail,
             "round": r, "rounds": self.spec.rounds,
             "members": self.machine.members(max(self.machine.current, 0)),
-            "weights_hash": self.state.weights_hash() if self.state else None,
+            "weights_hash": self._weights_hash(),
             "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
             "eval_losses": [[i, round(x, 4)] for i, x in self.eval_losses],
             "agreement": self.agreement[-MAX_STATUS_ROUNDS:], "dissents": self.dissents[-5:],
             "bytes": {"sent": stats.bytes_served - self._bytes_at_start[0],
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
             "dropped": dict(self.machine.dropped),
+            "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
         }
 
     async def wait_changed(self, timeout_s: float) -> None:
@@ -248,17 +264,31 @@ class TaskRunner:
                 members = self.machine.members(0)
                 self.detail = f"waiting for members ({len(members)}/{self.spec.min_members})"
                 if len(members) >= self.spec.min_members:
-                    return saved or await trio.to_thread.run_sync(compute.new_state, self.spec)
+                    return saved or await self._initial_state()
             with trio.move_on_after(0.25):
                 await self._changed.wait()
 
+    async def _initial_state(self) -> compute.OuterState:
+        """θ_0: the seeded init, or the spec's init_manifest fetched over SHARDCAST and checked against the model."""
+        if not self.spec.init_manifest:
+            return await trio.to_thread.run_sync(compute.new_state, self.spec)
+        self.detail = f"fetching the initial weights {self.spec.init_manifest[:16]}"
+        try:
+            tensors = await self.exchange.fetch_initial(self.spec.init_manifest)
+            return await trio.to_thread.run_sync(compute.state_from_initial, self.spec, tensors)
+        except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
+            raise TaskRejected(f"initial weights {self.spec.init_manifest[:16]} unusable: "
+                               f"{exc or 'not fetched in time'}") from None
+
     async def _round(self, state: compute.OuterState) -> compute.OuterState:
         r, spec = state.round, self.spec
+        started_s = trio.current_time()
         producing = r not in self.observe_rounds
         self.phase = f"round {r}: {'training' if producing else 'following'}"
         base_path = self.dir / "weights.safetensors"
         await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
-        base_hash = state.weights_hash()
+        base_hash = await trio.to_thread.run_sync(state.weights_hash)
+        self._round_train_s = 0.0
         self.dispatch(self.machine.start_round(r, base_hash=base_hash, producing=producing, now=trio.current_time()))
         if producing:
             await self._produce(r, base_path, base_hash)
@@ -283,17 +313,23 @@ class TaskRunner:
             if synced is not None:
                 new = synced
                 await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, new)
-        self.agreement.append({"round": r, "weights_hash": new.weights_hash()[:16],
+        round_s = trio.current_time() - started_s
+        self.rounds_s += round_s
+        new_hash = await trio.to_thread.run_sync(new.weights_hash)
+        self.agreement.append({"round": r, "weights_hash": new_hash[:16],
                                "agreed": isinstance(verdict, Agreed),
                                "peers_agreeing": verdict.num_agree if isinstance(verdict, Agreed) else None,
-                               "eval_loss": round(eval_loss, 4), "members": len(self.machine.members(r))})
+                               "eval_loss": round(eval_loss, 4), "members": len(self.machine.members(r)),
+                               "round_s": round(round_s, 2), "train_s": round(self._round_train_s, 2)})
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], r, eval_loss,
-                 new.weights_hash()[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
+                 new_hash[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
         return new
 
     async def _produce(self, r: int, base_path: Path, base_hash: str) -> None:
         """Train from θ_r, then publish Δ's int8 slices over SHARDCAST and announce them."""
         result = await self._train(r, base_path)
+        self._round_train_s = result.seconds
+        self.train_s += result.seconds
         delta = await trio.to_thread.run_sync(load_named, result.out_path)
         payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
         ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{r}/u{s}") for s, p in enumerate(payloads)]
