@@ -46,7 +46,7 @@ class ShardcastConfig:
     have_interval_s: float = 0.1
     """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""
     reannounce_interval_s: float = 30.0
-    busy_retry_s: float = 1.0
+    busy_retry_s: float = 0.25
     """After a holder answers "busy", skip it for this shard this long (and then ask a seeder with fallback)."""
     failure_backoff_s: float = 5.0
     max_failures_per_peer: int = 3
