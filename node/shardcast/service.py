@@ -41,7 +41,9 @@ class ShardcastConfig:
     max_downloads: int = 4
     inactivity_s: float = 10.0
     base_deadline_s: float = 5.0
-    min_rate_bytes_per_s: float = 5e6
+    min_rate_bytes_per_s: float = 250e3
+    """The overall deadline assumes at least this rate (2 Mbit/s): slow home links and several
+    concurrent transfers must not time out; a stalled peer is caught by inactivity_s instead."""
     stream_open_timeout_s: float = 10.0
     have_interval_s: float = 0.1
     """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""

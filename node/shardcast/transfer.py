@@ -33,7 +33,7 @@ CLEANUP_S = 1.0
 class Deadlines:
     inactivity_s: float = 10.0
     base_s: float = 5.0
-    min_rate_bytes_per_s: float = 5e6
+    min_rate_bytes_per_s: float = 250e3
 
     def overall_s(self, nbytes: int) -> float:
         return self.base_s + nbytes / self.min_rate_bytes_per_s
