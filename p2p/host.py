@@ -43,6 +43,12 @@ CLEANUP_S = 5.0
 GOSSIP_RPC_OVERHEAD_BYTES = 64 * 1024
 """Room for the signature, key, topic and protobuf framing around one gossip payload."""
 
+OUTBOUND_QUEUE_LIMIT = 16
+"""Publish only while each peer's outbound queue holds fewer RPCs than this (py-libp2p drops past 32),
+leaving room for the control messages and relays that share the queue."""
+PUBLISH_WAIT_S = 1.0
+OUTBOUND_POLL_S = 0.005
+
 MAX_PENDING_FORWARDERS = 4096
 """Validated messages whose forwarder we remember until the subscription consumer picks them up."""
 
@@ -107,6 +113,24 @@ class _Stream:
             pass  # a reset of a dead stream has nothing left to do
 
 
+class _DirectDelivery:
+    """Stands in for libp2p's per-topic subscription channel, whose only use is send_nowait()."""
+
+    __slots__ = ("_deliver",)
+
+    def __init__(self, deliver):
+        self._deliver = deliver
+
+    def send_nowait(self, msg: Any) -> None:
+        self._deliver(msg)
+
+    def close(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
 def _eof_is_genuine(raw: Any) -> bool:
     """True only for a FIN from the peer.
 
@@ -139,6 +163,7 @@ class Libp2pHost:
         self._stats = HostStatistics()
         self._joined: dict[str, trio.Event] = {}
         self._forwarders: OrderedDict[bytes, str] = OrderedDict()
+        self._publish_lock = trio.Lock()
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
 
     def listen_addrs(self) -> list[str]:
@@ -245,19 +270,31 @@ class Libp2pHost:
             self._forwarders.popitem(last=False)
 
     async def _run_subscription(self, topic: str, send: trio.MemorySendChannel[GossipMessage]) -> None:
-        """Drain libp2p's 32-deep queue at once into our bounded channel, dropping (and counting) on overflow."""
+        """Hand each accepted message straight to our bounded channel, dropping (and counting) on overflow.
+
+        py-libp2p runs every incoming message in its own task (push_msg) and puts it in a 32-deep
+        channel per topic. A burst of more than 32 messages in one scheduling batch (a peer
+        re-announcing its shards, a backlog after a busy moment) then overflows that channel before
+        any consumer can run, and libp2p drops each extra message with a warning. Its channel is
+        therefore replaced by a direct hand-off: our channel (subscription_buffer deep) is the only
+        queue, and its drops are counted in gossip_dropped_queue_full.
+        """
         async with send:
             subscription = await self._pubsub.subscribe(topic)
+            self._pubsub.subscribed_topics_send[topic] = _DirectDelivery(lambda msg: self._deliver_safely(topic, msg, send))
+            while True:  # whatever arrived while subscribe() was announcing us
+                try:
+                    self._deliver_safely(topic, subscription.receive_channel.receive_nowait(), send)
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
             self._joined[topic].set()
-            while True:
-                try:
-                    msg = await subscription.get()
-                except (trio.EndOfChannel, trio.ClosedResourceError):
-                    return
-                try:
-                    self._deliver(topic, msg, send)
-                except Exception:  # the supervision point of this consumer: one bad message must not stop it
-                    logger.warning("dropping a malformed message on %s", topic, exc_info=True)
+            await trio.sleep_forever()  # the channel stays open for the host's lifetime
+
+    def _deliver_safely(self, topic: str, msg: Any, send: trio.MemorySendChannel[GossipMessage]) -> None:
+        try:
+            self._deliver(topic, msg, send)
+        except Exception:  # runs inside libp2p's push_msg: an exception there would tear down pubsub
+            logger.warning("dropping a malformed message on %s", topic, exc_info=True)
 
     def _deliver(self, topic: str, msg: Any, send: trio.MemorySendChannel[GossipMessage]) -> None:
         origin = str(ID(msg.from_id))
@@ -275,8 +312,22 @@ class Libp2pHost:
     async def publish(self, topic: str, data: bytes) -> None:
         if len(data) > self._config.max_gossip_bytes:
             raise ValueError(f"gossip payload of {len(data)} bytes exceeds max_gossip_bytes={self._config.max_gossip_bytes}")
-        await self._pubsub.publish(topic, bytes(data))
+        # One publish at a time, each after the peers' send queues have room: py-libp2p queues at
+        # most 32 RPCs per peer and silently drops the rest, so a burst of publishes (or heartbeats
+        # behind one) would vanish instead of waiting its turn.
+        async with self._publish_lock:
+            await self._wait_for_outbound_room()
+            await self._pubsub.publish(topic, bytes(data))
         self._stats.gossip_published += 1
+
+    async def _wait_for_outbound_room(self) -> None:
+        """Until every peer's outbound RPC queue has room, or PUBLISH_WAIT_S (a stuck peer must not stall us)."""
+        deadline = trio.current_time() + PUBLISH_WAIT_S
+        while trio.current_time() < deadline:
+            queues = list(getattr(self._pubsub, "peer_queues", {}).values())
+            if all(len(q) < OUTBOUND_QUEUE_LIMIT for q in queues):
+                return
+            await trio.sleep(OUTBOUND_POLL_S)
 
     async def wait_for_topic_peer(self, topic: str, peer_id: str) -> None:
         pid = _to_id(peer_id)

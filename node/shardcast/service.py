@@ -48,6 +48,13 @@ class ShardcastConfig:
     have_interval_s: float = 0.1
     """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""
     reannounce_interval_s: float = 30.0
+    reannounce_manifests: int = 8
+    """How many of the newest stored manifests each periodic re-announcement covers. Not keep_manifests:
+    a task keeps hundreds, and a Have for each at once floods every peer; older ones are found by query."""
+    max_haves_per_s: float = 20.0
+    have_burst: int = 16
+    """Haves leave at most max_haves_per_s after a burst of have_burst, so announcements never crowd out
+    the heartbeats and task messages that share the gossip queues."""
     busy_retry_s: float = 0.25
     """After a holder answers "busy", skip it for this shard this long (and then ask a seeder with fallback)."""
     failure_backoff_s: float = 5.0
@@ -122,6 +129,8 @@ class ShardcastService:
         self._download_limiter = trio.CapacityLimiter(self.config.max_downloads)
         self._gc_lock = trio.Lock()
         self._running = False
+        self._have_tokens = float(self.config.have_burst)
+        self._have_refilled_at = 0.0
 
     # lifecycle
 
@@ -362,11 +371,22 @@ class ShardcastService:
             self._announce_wakeup = trio.Event()
             if trio.current_time() >= next_full:
                 next_full = trio.current_time() + cfg.reannounce_interval_s
-                self._dirty.update(self.store.manifest_ids()[-cfg.keep_manifests:])
+                self._dirty.update(self.store.manifest_ids()[-cfg.reannounce_manifests:])
             dirty, self._dirty = self._dirty, set()
             for mid in dirty:
+                await self._take_have_token()
                 await self._announce_have(mid)
             await trio.sleep(cfg.have_interval_s)
+
+    async def _take_have_token(self) -> None:
+        cfg = self.config
+        now = trio.current_time()
+        self._have_tokens = min(float(cfg.have_burst), self._have_tokens + (now - self._have_refilled_at) * cfg.max_haves_per_s)
+        self._have_refilled_at = now
+        if self._have_tokens < 1.0:
+            await trio.sleep((1.0 - self._have_tokens) / cfg.max_haves_per_s)
+            self._have_tokens, self._have_refilled_at = 1.0, trio.current_time()
+        self._have_tokens -= 1.0
 
     async def _announce_have(self, manifest_id: bytes) -> None:
         signed = self.store.get_manifest(manifest_id)

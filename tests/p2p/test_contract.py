@@ -241,6 +241,20 @@ async def test_a_full_subscription_buffer_drops_and_counts(swarm):
             assert b.statistics().gossip_received == 2
 
 
+async def test_a_burst_larger_than_libp2ps_own_queue_arrives_whole(swarm):
+    # py-libp2p queues at most 32 messages per topic; a burst past that must reach our channel intact.
+    burst = 200
+    with trio.fail_after(60):
+        async with swarm.hosts(2) as (a, b):
+            _, rb = await subscribe_line([a, b])
+            async with trio.open_nursery() as nursery:
+                for i in range(burst):
+                    nursery.start_soon(a.publish, TOPIC, b"%d" % i)
+            got = {(await rb.receive()).data for _ in range(burst)}
+            assert got == {b"%d" % i for i in range(burst)}
+            assert b.statistics().gossip_dropped_queue_full == 0
+
+
 async def test_disconnect_ends_streams_and_does_not_redial(swarm):
     async def hold(stream):
         await stream.read(10)
