@@ -63,6 +63,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
     stream is closed (or reset on failure) before returning.
     """
     writer = None
+    nacked = False
     try:
         with trio.fail_after(deadlines.overall_s(nbytes)):
             await _step(deadlines, send_message(stream, ShardRequest(manifest_id=manifest_id, index=index,
@@ -89,7 +90,9 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
             try:
                 writer.verify()
             except IntegrityError as exc:
+                # Closed, not reset: a reset would discard the nack, and the holder needs it to check its disk.
                 await _send_nack(stream, manifest_id, index, str(exc))
+                nacked = True
                 raise
             await trio.to_thread.run_sync(writer.commit)
             writer = None
@@ -105,7 +108,8 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
         await abort(stream)
         raise TransferTimeout(f"shard {index} stalled past its deadline") from None
     except BaseException:
-        await abort(stream)
+        if not nacked:
+            await abort(stream)
         raise
     finally:
         if writer is not None:
@@ -116,6 +120,7 @@ async def _send_nack(stream: Stream, manifest_id: bytes, index: int, reason: str
     with trio.move_on_after(CLEANUP_S):
         try:
             await send_message(stream, ShardAck(manifest_id=manifest_id, index=index, ok=False, reason=reason[:200]))
+            await stream.close()
         except StreamClosed:
             pass
 
@@ -158,7 +163,6 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
     Raises TransferTimeout, StreamClosed or a RemoteProtocolError; the stream is reset then.
     """
     sent = 0
-    digest = hashlib.sha256()
     try:
         with trio.fail_after(deadlines.overall_s(nbytes)):
             await _step(deadlines, send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index,
@@ -168,7 +172,6 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
                     chunk = f.read(min(CHUNK_BYTES, nbytes - sent))
                     if not chunk:
                         break
-                    digest.update(chunk)
                     await _step(deadlines, stream.write(chunk))
                     sent += len(chunk)
                     if on_bytes is not None:
@@ -184,10 +187,23 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
                 await stream.close()
             except StreamClosed:
                 pass
-        return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=digest.digest() != sha256 or sent != nbytes)
+        corrupt = sent != nbytes
+        if not ack.ok and not corrupt:
+            # Hashing every shard while sending would cost the sender a fifth of its CPU; the store
+            # verified it when loading, so only a receiver's complaint makes us look at the disk again.
+            corrupt = await trio.to_thread.run_sync(_file_sha256, path) != sha256
+        return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=corrupt)
     except trio.TooSlowError:
         await abort(stream)
         raise TransferTimeout(f"shard {req.index}: receiver stalled") from None
     except (RemoteProtocolError, StreamClosed, OSError):
         await abort(stream)
         raise
+
+
+def _file_sha256(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.digest()

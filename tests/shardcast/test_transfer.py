@@ -77,6 +77,22 @@ async def test_shard_round_trip_waits_for_the_ack(pair, tmp_path):
     assert sent[0].ok and sent[0].bytes_sent == len(DATA) and not sent[0].disk_corrupt
 
 
+async def test_a_shard_that_rotted_on_the_senders_disk_is_flagged_after_the_nack(pair, tmp_path):
+    a, b = pair
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"\xff" + DATA[1:])  # corrupted after the store verified it
+    sent = _serve_with(b, lambda s, r: transfer.send_shard(s, r, path=src, sha256=SHA, nbytes=len(DATA),
+                                                          deadlines=FAST))
+    store = ShardStore.open(tmp_path / "store")
+    with trio.fail_after(10):
+        with pytest.raises(IntegrityError):
+            await _fetch(a, b, store)
+        while not sent:
+            await trio.sleep(0.005)
+    assert not sent[0].ok and sent[0].disk_corrupt
+    _assert_clean(store, tmp_path / "store")
+
+
 async def test_refusal_carries_status(pair, tmp_path):
     a, b = pair
     _serve_with(b, lambda s, r: transfer.refuse(s, r, STATUS_BUSY, FAST))
