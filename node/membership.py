@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import trio
 
 from node.config import NodeConfig
+from node.netaddrs import expand_unspecified
 from p2p.api import GossipMessage, Host, Stream
 from p2p.framing import read_frame, write_frame
 from protocol.envelope import Signed, open_sealed, seal
 from protocol.errors import (DecodeError, OversizeError, PeerUnreachable, RemoteProtocolError, SignatureError,
                              TransportError)
 from protocol.keys import Keypair
-from protocol.messages import Announce, HardwareSummary
+from protocol.messages import MAX_ADDRS, Announce, HardwareSummary
 from protocol.peers import Observed, PeerState, PeerTable
 from protocol.scores import FloodLimiter, Scoreboard
 
@@ -79,8 +80,9 @@ class Membership:
         if self.config.announce_addrs:
             suffix = f"/p2p/{self.keypair.peer_id}"
             return tuple(a if "/p2p/" in a else a + suffix for a in self.config.announce_addrs)
-        # An unspecified listen address (0.0.0.0) is no use to a peer; set announce_addrs instead.
-        return tuple(a for a in self.host.listen_addrs() if "/0.0.0.0/" not in a and "/::/" not in a)
+        # A peer cannot dial 0.0.0.0: announce each interface's address instead (loopback last).
+        # Behind NAT, announce_addrs is what peers outside should use.
+        return tuple(expand_unspecified(self.host.listen_addrs())[:MAX_ADDRS])
 
     def announcement(self) -> bytes:
         # Wall-clock milliseconds keep seq increasing across restarts; +1 keeps it strictly increasing.
