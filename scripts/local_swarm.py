@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.swarm_task import TaskRun, spec_fields, status_cell, timeout_s  # noqa: E402
+from scripts.swarm_task import TaskRun, spec_fields, status_cell, timeout_s, use_local_corpus  # noqa: E402
 
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0
@@ -267,6 +267,9 @@ def run(args: argparse.Namespace) -> int:
     if args.task:
         try:
             fields = spec_fields(args.task, rounds=args.rounds)
+            note = use_local_corpus(fields)
+            if note:
+                console.print(f"local_swarm: {note}")
         except ShoalError as exc:
             console.print(f"local_swarm: {exc}")
             return 2

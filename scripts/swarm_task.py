@@ -32,6 +32,24 @@ def spec_fields(path: Path, *, rounds: int | None = None, init_manifest: str | N
     return fields
 
 
+def use_local_corpus(fields: dict) -> str:
+    """Point the spec at this machine's stdlib corpus if it names another Python's; returns a note, or "".
+
+    Every node of a local swarm runs this Python, so they all build the same corpus; a spec written
+    on another Python version would otherwise leave no node able to provide its dataset.
+    """
+    from node.train.data import build_corpus, corpus_id
+    dataset = dict(fields.get("dataset") or {})
+    if dataset.get("kind", "stdlib-corpus") != "stdlib-corpus" or "max_bytes" not in dataset:
+        return ""
+    local = corpus_id(build_corpus(int(dataset["max_bytes"])))
+    if dataset.get("sha256") == local:
+        return ""
+    fields["dataset"] = {**dataset, "sha256": local}
+    return (f"the spec's corpus {str(dataset.get('sha256'))[:16]} is another Python's stdlib; "
+            f"this machine's is {local[:16]}, which every local node shares: using it")
+
+
 def timeout_s(fields: dict) -> float:
     spec = spec_from_dict(fields, created_ms=1)
     return spec.rounds * spec.round_deadline_s + STARTUP_MARGIN_S

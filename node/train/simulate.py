@@ -79,6 +79,11 @@ def _eval(setup: SimSetup, weights, heldout: bytes) -> float:
     return evaluate(setup.model, weights, heldout, setup.eval_batches, seed=setup.seed + 1, batch_size=setup.eval_batch_size)
 
 
+def heldout_loss(setup: SimSetup, weights: Named) -> float:
+    """The held-out loss every reference run reports, for weights trained elsewhere (a real swarm)."""
+    return _eval(setup, weights, _data(setup)[1])
+
+
 def run_single(setup: SimSetup, *, steps: int, start: Named | None = None) -> SimResult:
     """One worker, batch_size per step, for steps steps."""
     t0 = time.monotonic()
