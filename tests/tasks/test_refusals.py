@@ -117,3 +117,50 @@ def test_aggregate_is_deterministic_and_in_sorted_producer_order():
     two = compute.aggregate({"p2": (b, 30), "p1": (a, 10)}, numel)
     assert one == two and len(one[1]) == 64
     assert json.dumps(one[1])
+
+
+async def publish_weights(node, tmp_path, weights) -> str:
+    from node.train.diloco import save_named
+    path = tmp_path / "init.safetensors"
+    save_named(path, weights)
+    from protocol.manifest import manifest_id
+    return manifest_id(await node.shardcast.publish_file(path)).hex()
+
+
+async def test_init_manifest_weights_are_round_zeros_weights(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network)
+        base = tiny_spec(min_members=1, rounds=1)
+        start = {name: t + 0.5 for name, t in compute.initial_weights(base).items()}
+        spec = dataclasses.replace(base, init_manifest=await publish_weights(node, tmp_path, start))
+        tid = await node.tasks.publish(spec)
+        await wait_until(lambda: runner(node, tid).agreement, timeout_s=60)
+        from node.train.diloco import weights_hash
+        # Round 0 trained from the published weights, not from the seeded init.
+        assert runner(node, tid).machine.rounds[0].base_hash == weights_hash(start)
+        assert weights_hash(start) != weights_hash(compute.initial_weights(base))
+        nursery.cancel_scope.cancel()
+
+
+async def test_init_manifest_with_the_wrong_layout_is_declined(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network)
+        base = tiny_spec(min_members=1, rounds=1)
+        wrong = {"tok_emb.weight": torch.zeros(3, 3)}
+        spec = dataclasses.replace(base, init_manifest=await publish_weights(node, tmp_path, wrong))
+        tid = await node.tasks.publish(spec)
+        await wait_until(lambda: runner(node, tid).phase == "declined", timeout_s=30)
+        assert "do not match the task's model" in runner(node, tid).detail
+        nursery.cancel_scope.cancel()
+
+
+def test_state_from_initial_keeps_the_weights_and_refuses_nan():
+    spec = tiny_spec()
+    start = {name: t * 2 for name, t in compute.initial_weights(spec).items()}
+    state = compute.state_from_initial(spec, start)
+    assert state.round == 0 and state.weights_hash() == compute.OuterState(0, start, state.outer).weights_hash()
+    bad = dict(start)
+    name = next(iter(bad))
+    bad[name] = torch.full_like(bad[name], float("nan"))
+    with pytest.raises(IntegrityError, match="NaN"):
+        compute.state_from_initial(spec, bad)
