@@ -1,0 +1,107 @@
+"""Real node processes train a tiny task: weights agree every round, a late node catches up, a SIGKILL
+does not stop the others, and a restarted node resumes from its data dir."""
+
+import json
+import signal
+import time
+
+import pytest
+
+from node.train.data import build_corpus, corpus_id
+from scripts.local_swarm import Swarm
+from scripts.swarm_task import TaskRun
+
+pytestmark = [pytest.mark.slow]
+
+CORPUS_BYTES = 256 * 1024
+ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_DEAD_AFTER_S": "5",
+       "SHOAL_HARDWARE_BENCHMARK": "false"}
+
+
+def tiny_fields(rounds: int) -> dict:
+    return {
+        "name": "process-test", "inner_steps": 6, "batch_size": 8, "rounds": rounds, "round_deadline_s": 20.0,
+        "min_members": 3, "max_members": 8, "aggregation_shards": 2, "aggregators_per_shard": 2, "seed": 3,
+        "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 32},
+        "dataset": {"kind": "stdlib-corpus", "max_bytes": CORPUS_BYTES,
+                    "sha256": corpus_id(build_corpus(CORPUS_BYTES)), "num_shards": 6},
+        "adamw": {"lr": 3e-3, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "warmup_steps": 0},
+    }
+
+
+def wait_for(predicate, timeout_s: float, what: str, swarm: Swarm) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            tasks = [{k: (n.status.get("task") or {}).get(k) for k in ("phase", "round", "detail")} for n in swarm.nodes]
+            raise AssertionError(f"timed out after {timeout_s} s waiting until {what}; tasks: {tasks}")
+        swarm.update()
+        time.sleep(0.2)
+
+
+def started(swarm: Swarm, rounds: int) -> TaskRun:
+    swarm.start(watch_interval_s=0.3)
+    wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
+    run = TaskRun(swarm, tiny_fields(rounds))
+    swarm.task_id = run.publish()
+    return run
+
+
+def agreed_hashes(node) -> dict[int, str]:
+    return {a["round"]: a["weights_hash"] for a in (node.status.get("task") or {}).get("agreement", [])}
+
+
+@pytest.mark.timeout(200)
+def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(tmp_path):
+    swarm = Swarm(3, tmp_path, env=ENV)
+    try:
+        run = started(swarm, rounds=8)
+        wait_for(lambda: all((run.mine(n).get("round") or 0) >= 2 for n in swarm.nodes), 90,
+                 "every node reaches round 2", swarm)
+        late = swarm.add_node()
+        wait_for(run.done, 150, "every node, the late one too, finishes", swarm)
+        run.collect()
+    finally:
+        swarm.stop()
+    report = run.report()
+    assert run.ok(report)[0], run.ok(report)
+    rounds = report["task"]["rounds"]
+    assert [r["round"] for r in rounds] == list(range(8))
+    assert all(len(r["weights_hash_by_node"]) >= 3 for r in rounds)
+    losses = [r["eval_loss"] for r in rounds]
+    assert losses[-1] < losses[0], losses
+    joined = agreed_hashes(late)
+    assert joined, "the late node never finished a round"
+    first = swarm.nodes[0]
+    assert all(joined[r] == agreed_hashes(first)[r] for r in joined)
+    assert late.status["task"]["weights_hash"] == first.status["task"]["weights_hash"]
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_node_does_not_stop_the_others_and_resumes_from_its_checkpoint(tmp_path):
+    swarm = Swarm(3, tmp_path, env=ENV)
+    try:
+        run = started(swarm, rounds=8)
+        victim, survivors = swarm.nodes[2], swarm.nodes[:2]
+        wait_for(lambda: (run.mine(victim).get("round") or 0) >= 2
+                 and "training" in run.mine(victim).get("phase", ""), 90, "the victim trains round 2+", swarm)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        meta = json.loads((victim.data_dir / "tasks" / run.task_id / "meta.json").read_text())
+        assert meta["round"] >= 2
+        # The survivors go on without it (the round it died in closes at its deadline at worst).
+        killed_at = max(run.mine(n).get("round") or 0 for n in survivors)
+        wait_for(lambda: all((run.mine(n).get("round") or 0) >= killed_at + 2 for n in survivors), 90,
+                 "the survivors finish two more rounds", swarm)
+        # Restarted on the same data dir: the task comes back from disk, nobody publishes it again.
+        swarm.restart_node(2)
+        wait_for(run.done, 150, "every node, the restarted one too, finishes", swarm)
+        run.collect()
+    finally:
+        swarm.stop()
+    report = run.report()
+    assert all(r["hashes_agree"] for r in report["task"]["rounds"]), report["task"]["rounds"]
+    assert set(report["task"]["phases"].values()) == {"finished"}
+    assert victim.status["task"]["id"] == run.task_id
+    assert victim.status["task"]["weights_hash"] == survivors[0].status["task"]["weights_hash"]
+    assert all(n.exit_code == 0 for n in swarm.nodes)
