@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from node.shardcast.store import ShardStore  # noqa: E402
 from scripts import bench_rates  # noqa: E402
 from scripts.local_swarm import Swarm, netlab_interrupts, stop  # noqa: E402
 
@@ -98,14 +99,6 @@ def _write_random(path: Path, nbytes: int) -> str:
     return digest.hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(MiB):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _wait_all_see_all(swarm: Swarm, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not swarm.all_see_all():
@@ -150,7 +143,7 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
         done_at = [j["started_at"] + j["seconds"] for j in jobs]
         served = [c.call("/status")["shardcast"]["bytes_served"] for c in controls]
     ok = all(j["state"] == "done" for j in jobs) and all(
-        out.is_file() and _sha256_file(out) == source_sha for out in outs)
+        out.is_file() and ShardStore.hash_file(out)[0].hex() == source_sha for out in outs)
     return {"seconds_to_all": round(max(done_at) - t0, 2), "publisher_uploaded_bytes": served[0],
             "integrity_ok": ok, "publisher_upload_ratio": round(served[0] / args.size_bytes, 3),
             "seconds_by_receiver": [round(d - t0, 2) for d in done_at],

@@ -16,12 +16,13 @@ from p2p.framing import recv_message, send_message
 from protocol.envelope import open_sealed, seal
 from protocol.errors import DecodeError, RemoteProtocolError, TransferTimeout, TransportError
 from protocol.keys import Keypair
-from protocol.manifest import (DEFAULT_SHARD_BYTES, KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
+from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
                                STATUS_MISSING, Have, Manifest, ManifestRequest, ManifestResponse,
                                SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
                                make_manifest, open_manifest, seal_manifest)
 
 from node.shardcast import transfer
+from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
 from node.shardcast.store import ShardStore
 
@@ -31,65 +32,6 @@ TOPIC = "shoal/shards/1"
 MANIFEST_PROTOCOL = "/shoal/manifest/1"
 _RESPONSE_MAX_BYTES = MAX_MANIFEST_BYTES + 64 * 1024
 _MAX_HOLDERS_PER_MANIFEST = 4096
-
-
-@dataclass(kw_only=True)
-class ShardcastConfig:
-    shard_bytes: int = DEFAULT_SHARD_BYTES
-    max_uploads: int = 4
-    """Concurrent shard uploads; a request past it is answered "busy" at once, never queued."""
-    max_downloads: int = 4
-    inactivity_s: float = 10.0
-    base_deadline_s: float = 5.0
-    min_rate_bytes_per_s: float = 250e3
-    """The overall deadline assumes at least this rate (2 Mbit/s): slow home links and several
-    concurrent transfers must not time out; a stalled peer is caught by inactivity_s instead."""
-    stream_open_timeout_s: float = 10.0
-    have_interval_s: float = 0.1
-    """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""
-    reannounce_interval_s: float = 30.0
-    reannounce_manifests: int = 8
-    """How many of the newest stored manifests each periodic re-announcement covers. Not keep_manifests:
-    a task keeps hundreds, and a Have for each at once floods every peer; older ones are found by query."""
-    max_haves_per_s: float = 20.0
-    have_burst: int = 16
-    """Haves leave at most max_haves_per_s after a burst of have_burst, so announcements never crowd out
-    the heartbeats and task messages that share the gossip queues."""
-    busy_retry_s: float = 0.25
-    """After a holder answers "busy", skip it for this shard this long (and then ask a seeder with fallback)."""
-    failure_backoff_s: float = 5.0
-    max_failures_per_peer: int = 3
-    query_interval_s: float = 2.0
-    stall_timeout_s: float = 60.0
-    """A fetch fails with TransferTimeout after this long without a new verified shard."""
-    keep_manifests: int = 3
-    max_known_manifests: int = 64
-    single_source: bool = False
-    """Fetch only from a manifest's publisher and let a publisher serve duplicates at once: the
-    baseline that swarming is measured against, not a mode for real swarms."""
-
-    def deadlines(self) -> transfer.Deadlines:
-        return transfer.Deadlines(inactivity_s=self.inactivity_s, base_s=self.base_deadline_s,
-                                  min_rate_bytes_per_s=self.min_rate_bytes_per_s)
-
-
-@dataclass(kw_only=True)
-class ShardcastStatistics:
-    bytes_served: int = 0
-    bytes_fetched: int = 0
-    shards_served: int = 0
-    shards_fetched: int = 0
-    bytes_served_by_peer: dict[str, int] = field(default_factory=dict)
-    bytes_fetched_by_peer: dict[str, int] = field(default_factory=dict)
-    shards_rejected: dict[str, int] = field(default_factory=dict)
-    """Shards we refused from peers, by reason: bad_hash, bad_size, oversize, protocol, timeout."""
-    uploads_refused_busy: int = 0
-    upload_failures: int = 0
-    download_failures: int = 0
-    gossip_rejected: int = 0
-    uploads_active: int = 0
-    downloads_active: int = 0
-    last_fetch_bytes_per_s: float = 0.0
 
 
 @dataclass

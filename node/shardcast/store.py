@@ -122,7 +122,7 @@ class ShardStore:
                     digest = bytes.fromhex(path.name)
                 except ValueError:
                     digest = b""
-                actual, nbytes = self._hash_file(path)
+                actual, nbytes = self.hash_file(path)
                 if actual != digest:
                     log.warning("dropping corrupt shard %s", path.name)
                     path.unlink(missing_ok=True)
@@ -144,7 +144,8 @@ class ShardStore:
         return OpenReport(shards_kept=kept, shards_corrupt=corrupt, manifests_kept=good, manifests_invalid=bad)
 
     @staticmethod
-    def _hash_file(path: Path) -> tuple[bytes, int]:
+    def hash_file(path: Path) -> tuple[bytes, int]:
+        """(sha256, size) of a file, read in bounded chunks (blocking)."""
         h = hashlib.sha256()
         nbytes = 0
         with open(path, "rb") as f:

@@ -7,7 +7,6 @@ arrives, because yamux drops data the peer has not read when a connection goes d
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -191,7 +190,7 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
         if not ack.ok and not corrupt:
             # Hashing every shard while sending would cost the sender a fifth of its CPU; the store
             # verified it when loading, so only a receiver's complaint makes us look at the disk again.
-            corrupt = await trio.to_thread.run_sync(_file_sha256, path) != sha256
+            corrupt = (await trio.to_thread.run_sync(ShardStore.hash_file, path))[0] != sha256
         return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=corrupt)
     except trio.TooSlowError:
         await abort(stream)
@@ -199,11 +198,3 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
     except (RemoteProtocolError, StreamClosed, OSError):
         await abort(stream)
         raise
-
-
-def _file_sha256(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.digest()
