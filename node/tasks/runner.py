@@ -29,6 +29,8 @@ TICK_S = 0.1
 MAX_DISSENTS = 32
 
 
+JOIN_LEAD_ROUNDS = 2
+"""A late joiner produces from this many rounds after the one it synced to."""
 MAX_STATUS_ROUNDS = 200
 """Per-round history kept in /status: enough for dashboards and the swarm launcher, bounded for long tasks."""
 
@@ -222,10 +224,13 @@ class TaskRunner:
     async def _run_task(self) -> None:
         self.corpus_path = await self._dataset()
         self.exchange.offer_dataset(self.corpus_path)
-        self.phase = "syncing"
-        state = await self._choose_start()
+        # Start the trainer (a torch import: seconds) before syncing, so a late joiner is ready to
+        # train the moment it holds the swarm's weights instead of falling rounds behind.
         async with open_trainer(env=self.options.trainer_env()) as trainer:
             self.trainer = trainer
+            await trainer.ping()
+            self.phase = "syncing"
+            state = await self._choose_start()
             while state.round < self.spec.rounds:
                 self.state = state
                 state = await self._round(state)
@@ -248,11 +253,17 @@ class TaskRunner:
         while True:
             latest = self.machine.latest_majority()
             if latest is not None:
+                sync_started_s = trio.current_time()
                 state = await self.exchange.sync(latest, saved)
                 if state is not None:
-                    # The swarm may be mid-round already: follow that round, produce from the next.
-                    self.observe_rounds = {state.round}
-                    await self.publish(TaskJoin(task_id=self.tid, peer_id=self.me, round=state.round + 1))
+                    if state is not saved:
+                        self._record_sync(latest, trio.current_time() - sync_started_s)
+                    # The swarm may be mid-round already. Join JOIN_LEAD_ROUNDS ahead and only follow
+                    # until then, so every member has our TaskJoin before the first round that counts
+                    # us: members who disagree on membership pick different aggregators.
+                    first = state.round + JOIN_LEAD_ROUNDS
+                    self.observe_rounds = set(range(state.round, first))
+                    await self.publish(TaskJoin(task_id=self.tid, peer_id=self.me, round=first))
                     return state
             fresh = any(r == 0 for p, r in self.machine.joins.items() if p != self.me)
             if latest is None and (fresh or trio.current_time() >= listen_until):
@@ -280,8 +291,37 @@ class TaskRunner:
             raise TaskRejected(f"initial weights {self.spec.init_manifest[:16]} unusable: "
                                f"{exc or 'not fetched in time'}") from None
 
+    async def _catch_up(self, r: int) -> compute.OuterState | None:
+        """If most members already agreed on the weights after round r or later, fetch those instead
+        of running a round the swarm has closed (a slow or late node would only be dropped)."""
+        latest = self.machine.latest_majority()
+        if latest is None or latest[0] < r:
+            return None
+        done, _, _, sources = latest
+        if 2 * len(sources) <= len(self.machine.members(done)):
+            return None  # not a majority yet: the others may still be finishing that round
+        started_s = trio.current_time()
+        state = await self.exchange.sync(latest, None)
+        if state is not None:
+            log.info("task %s: the swarm finished round %d already; catching up to round %d", self.tid[:12],
+                     done, state.round)
+            self._record_sync(latest, trio.current_time() - started_s)
+        return state
+
+    def _record_sync(self, latest, seconds: float) -> None:
+        """A round this node did not run but took from the majority, in the status history."""
+        done, weights_hash, _, sources = latest
+        self.eval_losses.append((done, sources[0].eval_loss))
+        self.agreement.append({"round": done, "weights_hash": weights_hash[:16], "agreed": True, "caught_up": True,
+                               "peers_agreeing": len(sources), "eval_loss": round(sources[0].eval_loss, 4),
+                               "members": len(self.machine.members(done)), "round_s": round(seconds, 2),
+                               "train_s": 0.0})
+
     async def _round(self, state: compute.OuterState) -> compute.OuterState:
         r, spec = state.round, self.spec
+        caught_up = await self._catch_up(r)
+        if caught_up is not None:
+            return caught_up
         started_s = trio.current_time()
         producing = r not in self.observe_rounds
         self.phase = f"round {r}: {'training' if producing else 'following'}"

@@ -18,9 +18,9 @@ ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_D
        "SHOAL_HARDWARE_BENCHMARK": "false"}
 
 
-def tiny_fields(rounds: int) -> dict:
+def tiny_fields(rounds: int, inner_steps: int = 6) -> dict:
     return {
-        "name": "process-test", "inner_steps": 6, "batch_size": 8, "rounds": rounds, "round_deadline_s": 20.0,
+        "name": "process-test", "inner_steps": inner_steps, "batch_size": 8, "rounds": rounds, "round_deadline_s": 20.0,
         "min_members": 3, "max_members": 8, "aggregation_shards": 2, "aggregators_per_shard": 2, "seed": 3,
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 32},
         "dataset": {"kind": "stdlib-corpus", "max_bytes": CORPUS_BYTES,
@@ -39,10 +39,10 @@ def wait_for(predicate, timeout_s: float, what: str, swarm: Swarm) -> None:
         time.sleep(0.2)
 
 
-def started(swarm: Swarm, rounds: int) -> TaskRun:
+def started(swarm: Swarm, rounds: int, inner_steps: int = 6) -> TaskRun:
     swarm.start(watch_interval_s=0.3)
     wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
-    run = TaskRun(swarm, tiny_fields(rounds))
+    run = TaskRun(swarm, tiny_fields(rounds, inner_steps))
     swarm.task_id = run.publish()
     return run
 
@@ -51,11 +51,15 @@ def agreed_hashes(node) -> dict[int, str]:
     return {a["round"]: a["weights_hash"] for a in (node.status.get("task") or {}).get("agreement", [])}
 
 
-@pytest.mark.timeout(200)
+ROUNDS_WITH_LATE_JOINER = 14
+
+
+@pytest.mark.timeout(240)
 def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(tmp_path):
     swarm = Swarm(3, tmp_path, env=ENV)
     try:
-        run = started(swarm, rounds=8)
+        # Rounds long enough (seconds) that the late node, once its trainer is up, still has rounds to train.
+        run = started(swarm, rounds=ROUNDS_WITH_LATE_JOINER, inner_steps=30)
         wait_for(lambda: all((run.mine(n).get("round") or 0) >= 2 for n in swarm.nodes), 90,
                  "every node reaches round 2", swarm)
         late = swarm.add_node()
@@ -66,7 +70,9 @@ def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(t
     report = run.report()
     assert run.ok(report)[0], run.ok(report)
     rounds = report["task"]["rounds"]
-    assert [r["round"] for r in rounds] == list(range(8))
+    assert [r["round"] for r in rounds] == list(range(ROUNDS_WITH_LATE_JOINER))
+    # The late node became a member and trained: the last rounds count four members, all agreeing.
+    assert rounds[-1]["members"] == 4 and len(rounds[-1]["weights_hash_by_node"]) == 4, rounds[-1]
     assert all(len(r["weights_hash_by_node"]) >= 3 for r in rounds)
     losses = [r["eval_loss"] for r in rounds]
     assert losses[-1] < losses[0], losses
@@ -75,6 +81,7 @@ def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(t
     first = swarm.nodes[0]
     assert all(joined[r] == agreed_hashes(first)[r] for r in joined)
     assert late.status["task"]["weights_hash"] == first.status["task"]["weights_hash"]
+    assert late.status["task"]["train_seconds"] > 0, "the late node never trained"
 
 
 @pytest.mark.timeout(240)
