@@ -164,6 +164,7 @@ class Libp2pHost:
         self._joined: dict[str, trio.Event] = {}
         self._forwarders: OrderedDict[bytes, str] = OrderedDict()
         self._publish_lock = trio.Lock()
+        self._stuck_peers: set[Any] = set()
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
 
     def listen_addrs(self) -> list[str]:
@@ -321,11 +322,22 @@ class Libp2pHost:
         self._stats.gossip_published += 1
 
     async def _wait_for_outbound_room(self) -> None:
-        """Until every peer's outbound RPC queue has room, or PUBLISH_WAIT_S (a stuck peer must not stall us)."""
+        """Until every peer's outbound RPC queue has room, or PUBLISH_WAIT_S.
+
+        A peer that let a whole wait pass without draining is skipped by later publishes until its
+        queue has room again: one peer that stops reading must not slow every publish to a crawl.
+        """
         deadline = trio.current_time() + PUBLISH_WAIT_S
-        while trio.current_time() < deadline:
-            queues = list(getattr(self._pubsub, "peer_queues", {}).values())
-            if all(len(q) < OUTBOUND_QUEUE_LIMIT for q in queues):
+        while True:
+            queues = getattr(self._pubsub, "peer_queues", {})
+            full = {pid for pid, q in list(queues.items()) if len(q) >= OUTBOUND_QUEUE_LIMIT}
+            self._stuck_peers &= full
+            if not full - self._stuck_peers:
+                return
+            if trio.current_time() >= deadline:
+                self._stuck_peers |= full
+                logger.warning("gossip: %d peer(s) not draining their queues; publishing without waiting for them",
+                               len(full))
                 return
             await trio.sleep(OUTBOUND_POLL_S)
 
