@@ -392,7 +392,8 @@ class TaskRunner:
             seed=derive_seed(self.tid, r, self.me), out_path=self.dir / "update.safetensors",
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
-            time_budget_s=spec.time_budget_s or None, opt_state_path=self.dir / "inner_opt.safetensors")
+            time_budget_s=spec.time_budget_s or None, opt_state_path=self.dir / "inner_opt.safetensors",
+            device=self._device())
 
     async def _evaluate(self) -> float:
         size = self.corpus_path.stat().st_size
@@ -400,5 +401,10 @@ class TaskRunner:
         return await self.trainer.evaluate(
             model=compute.model_config(self.spec), weights_path=self.dir / "weights.safetensors",
             data_path=self.corpus_path, data_range=heldout, num_batches=self.options.eval_batches,
-            seed=derive_seed(self.tid, "eval"), batch_size=self.spec.batch_size)
+            seed=derive_seed(self.tid, "eval"), batch_size=self.spec.batch_size, device=self._device())
+
+    def _device(self) -> str:
+        """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.
+        Only the outer step must be bit-identical across nodes, and it always runs on the CPU."""
+        return {"any": "auto", "cpu": "cpu", "cuda": "cuda"}[self.spec.requirements.device]
 

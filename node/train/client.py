@@ -164,6 +164,7 @@ class TrainerClient:
         time_budget_s: float | None = None,
         opt_state_path: str | os.PathLike | None = None,
         log_every: int = 10,
+        device: str = "auto",
     ) -> TrainResult:
         """Train in the child; the pseudo-gradient base − trained lands in out_path (safetensors)."""
         reply = await self.request(
@@ -180,6 +181,7 @@ class TrainerClient:
             time_budget_s=time_budget_s,
             opt_state_path=os.fspath(opt_state_path) if opt_state_path is not None else None,
             log_every=log_every,
+            device=device,
         )
         return TrainResult(
             samples=reply["samples"],
@@ -201,6 +203,7 @@ class TrainerClient:
         num_batches: int,
         seed: int,
         batch_size: int = 8,
+        device: str = "auto",
     ) -> float:
         """Mean held-out cross-entropy (nats per byte) of the weights in weights_path."""
         reply = await self.request(
@@ -212,6 +215,7 @@ class TrainerClient:
             num_batches=num_batches,
             seed=seed,
             batch_size=batch_size,
+            device=device,
         )
         return float(reply["loss"])
 

@@ -51,10 +51,23 @@ class InnerResult:
     seconds: float = 0.0
 
 
-def model_from_weights(config: ModelConfig, weights: Named) -> TinyLM:
+def resolve_device(name: str = "auto") -> torch.device:
+    """"auto": the first CUDA device when one works, else the CPU; "cuda" insists on one."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if name == "cuda":
+            raise ValueError("the task asks for a CUDA device, but torch sees none on this node")
+        return torch.device("cpu")
+    raise ValueError(f"device must be auto, cpu or cuda, not {name!r}")
+
+
+def model_from_weights(config: ModelConfig, weights: Named, device: torch.device | str = "cpu") -> TinyLM:
     with torch.device("meta"):
         model = TinyLM(config)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.load_state_dict(weights, strict=True)
     return model
 
@@ -73,8 +86,8 @@ def _load_opt_state(opt: torch.optim.AdamW, names: list[str], params: list, stat
     for name, p in zip(names, params):
         opt.state[p] = {
             "step": step.clone(),
-            "exp_avg": state[f"exp_avg.{name}"].to(torch.float32).clone(),
-            "exp_avg_sq": state[f"exp_avg_sq.{name}"].to(torch.float32).clone(),
+            "exp_avg": state[f"exp_avg.{name}"].to(p.device, torch.float32).clone(),
+            "exp_avg_sq": state[f"exp_avg_sq.{name}"].to(p.device, torch.float32).clone(),
         }
 
 
@@ -82,9 +95,9 @@ def _dump_opt_state(opt: torch.optim.AdamW, names: list[str], params: list) -> N
     out: Named = {}
     for name, p in zip(names, params):
         s = opt.state[p]
-        out[f"exp_avg.{name}"] = s["exp_avg"].clone()
-        out[f"exp_avg_sq.{name}"] = s["exp_avg_sq"].clone()
-        out["step"] = s["step"].to(torch.float32).reshape(()).clone()
+        out[f"exp_avg.{name}"] = s["exp_avg"].to("cpu").clone()
+        out[f"exp_avg_sq.{name}"] = s["exp_avg_sq"].to("cpu").clone()
+        out["step"] = s["step"].to("cpu", torch.float32).reshape(()).clone()
     return out
 
 
@@ -101,6 +114,7 @@ def train_inner(
     opt_state: Named | None = None,
     log_every: int = 10,
     progress: Callable[[int, float], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> InnerResult:
     """Up to `steps` AdamW steps from base_weights on seeded batches of `data`.
 
@@ -113,7 +127,7 @@ def train_inner(
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}")
     start = time.monotonic()
-    model = model_from_weights(model_config, base_weights)
+    model = model_from_weights(model_config, base_weights, device)
     model.train()
     names = sorted(n for n, _ in model.named_parameters())
     by_name = dict(model.named_parameters())
@@ -139,7 +153,7 @@ def train_inner(
             lr = adamw.lr * min(1.0, (prior_steps + step + 1) / adamw.warmup_steps) if adamw.warmup_steps else adamw.lr
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = lm_loss(model, next(sampler))
+            loss = lm_loss(model, next(sampler).to(device, non_blocking=True))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if adamw.grad_clip:
@@ -165,13 +179,14 @@ def train_inner(
 
 @torch.no_grad()
 def evaluate(
-    model_config: ModelConfig, weights: Named, heldout_bytes: bytes, num_batches: int, seed: int, batch_size: int = 8
+    model_config: ModelConfig, weights: Named, heldout_bytes: bytes, num_batches: int, seed: int, batch_size: int = 8,
+    device: torch.device | str = "cpu",
 ) -> float:
     """Mean next-byte cross-entropy (nats per byte) over num_batches seeded held-out batches."""
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
-    model = model_from_weights(model_config, weights)
+    model = model_from_weights(model_config, weights, device)
     model.eval()
     sampler = batches(heldout_bytes, model_config.seq_len, batch_size, seed)
-    total = math.fsum(lm_loss(model, next(sampler)).item() for _ in range(num_batches))
+    total = math.fsum(lm_loss(model, next(sampler).to(device)).item() for _ in range(num_batches))
     return total / num_batches

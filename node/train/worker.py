@@ -114,7 +114,7 @@ def _log(message: str) -> None:
 
 def handle_train(req: dict) -> dict:
     from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
-    from node.train.inner import AdamWConfig, train_inner
+    from node.train.inner import AdamWConfig, resolve_device, train_inner
     from node.train.model import ModelConfig
 
     config = ModelConfig.from_dict(_field(req, "model", dict))
@@ -126,6 +126,7 @@ def handle_train(req: dict) -> dict:
     opt_path = _field(req, "opt_state_path", str, None)
     out_path = _field(req, "out_path", str)
     opt_state = load_named(opt_path) if opt_path and os.path.exists(opt_path) else None
+    device = resolve_device(_field(req, "device", str, "auto"))
     rid = req.get("id")
 
     def progress(step: int, loss: float) -> None:
@@ -143,6 +144,7 @@ def handle_train(req: dict) -> dict:
         opt_state=opt_state,
         log_every=_field(req, "log_every", int, 10),
         progress=progress,
+        device=device,
     )
     delta = pseudo_gradient(base, result.weights)
     save_named(out_path, delta)
@@ -156,19 +158,21 @@ def handle_train(req: dict) -> dict:
         "out_path": out_path,
         "base_hash": weights_hash(base),
         "update_hash": weights_hash(delta),
+        "device": str(device),
     }
 
 
 def handle_eval(req: dict) -> dict:
     from node.train.diloco import load_named
-    from node.train.inner import evaluate
+    from node.train.inner import evaluate, resolve_device
     from node.train.model import ModelConfig
 
     config = ModelConfig.from_dict(_field(req, "model", dict))
     weights = load_named(_field(req, "weights_path", str))
     data = _read_ranges(_field(req, "data_path", str), [req.get("data_range")])
     loss = evaluate(
-        config, weights, data, _field(req, "num_batches", int), _field(req, "seed", int), _field(req, "batch_size", int, 8)
+        config, weights, data, _field(req, "num_batches", int), _field(req, "seed", int), _field(req, "batch_size", int, 8),
+        device=resolve_device(_field(req, "device", str, "auto")),
     )
     return {"loss": loss}
 

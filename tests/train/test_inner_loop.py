@@ -61,3 +61,18 @@ def test_bad_settings_are_value_errors():
         AdamWConfig(lr=0)
     with pytest.raises(ValueError):
         AdamWConfig.from_dict({"learning_rate": 1e-3})
+
+
+def test_device_choice_falls_back_to_the_cpu_and_refuses_a_missing_gpu():
+    import torch
+
+    from node.train.inner import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto") == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        resolve_device("tpu")
