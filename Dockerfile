@@ -10,6 +10,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     SHOAL_DATA_DIR=/data
 
+# libp2p pulls in fastecdsa, which builds from source against GMP.
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential libgmp-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/shoal
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol
