@@ -12,10 +12,6 @@ if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
     echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2
     exit 2
 fi
-if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
-    echo "shoal: a C compiler is needed to build libp2p's fastecdsa; install build-essential and libgmp-dev" >&2
-    exit 2
-fi
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
@@ -23,6 +19,10 @@ fi
 stamp="$VENV/.shoal-installed"
 want="$(cat pyproject.toml; echo "$TORCH_SPEC")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+        echo "shoal: a C compiler is needed to build libp2p's fastecdsa; install build-essential and libgmp-dev" >&2
+        exit 2
+    fi
     echo "setup: installing $TORCH_SPEC and shoal[test] (first run takes a minute or two)" >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options such as --index-url
