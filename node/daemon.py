@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 import trio
 
 from node import hw, identity
+from node.fsutil import write_atomic
 from node.config import NodeConfig
 from node.control import Request, Response, serve_control
 from node.membership import Membership, Traffic
@@ -54,9 +55,7 @@ def lock_data_dir(data_dir: Path) -> Iterator[None]:
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(value, indent=1).encode())
 
 
 class Node:

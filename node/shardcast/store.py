@@ -9,31 +9,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.fsutil import fsync_dir, write_atomic
 from protocol.errors import IntegrityError, RemoteProtocolError
 from protocol.manifest import SignedManifest, open_manifest
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 1 << 20
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is only durable once the directory entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes | bytearray | memoryview, tmp_dir: Path) -> None:
-    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +157,7 @@ class ShardStore:
         with self._lock:
             os.replace(tmp, path)
             self._shards[sha256] = nbytes
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def put_shard(self, data: bytes | bytearray | memoryview) -> bytes:
         """Store ``data`` under its sha256 (a no-op if present); returns the hash."""
@@ -183,7 +165,7 @@ class ShardStore:
         if digest not in self._shards:
             path = self.shard_path(digest)
             path.parent.mkdir(exist_ok=True)
-            _atomic_write(path, data, self.tmp_dir)
+            write_atomic(path, data, tmp_dir=self.tmp_dir)
             with self._lock:
                 self._shards[digest] = len(data)
         return digest
@@ -212,7 +194,7 @@ class ShardStore:
         if path.exists():
             os.utime(path)
         else:
-            _atomic_write(path, signed.sealed, self.tmp_dir)
+            write_atomic(path, signed.sealed, tmp_dir=self.tmp_dir)
         with self._lock:
             self._manifests[signed.manifest_id] = signed
 

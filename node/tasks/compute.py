@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from node.fsutil import write_atomic
 from node.train.compress import decode_int8, encode_int8, encoded_size, tensor_bytes
 from node.train.diloco import (Named, OuterNesterov, flatten, load_named, named_tensors, save_named, unflatten,
                                weighted_mean_by_peer, weights_hash)
@@ -144,9 +144,7 @@ def save_checkpoint(directory: Path, state: OuterState) -> dict:
     save_named(directory / "weights.safetensors", state.weights)
     save_named(directory / "momentum.safetensors", state.outer.state_dict())
     meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash()}
-    tmp = directory / f".meta.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, directory / "meta.json")
+    write_atomic(directory / "meta.json", json.dumps(meta).encode())
     return meta
 
 

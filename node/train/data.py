@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from node.fsutil import write_atomic
 from protocol.errors import ConfigError
 
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
@@ -57,15 +58,6 @@ def corpus_id(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def load_or_build(
     cache_dir: str | os.PathLike, max_bytes: int = DEFAULT_CORPUS_BYTES, expected_id: str | None = None
 ) -> bytes:
@@ -92,7 +84,7 @@ def load_or_build(
         )
     path = cache / f"{built_id}.corpus"
     if not path.is_file():
-        _write_atomic(path, data)
+        write_atomic(path, data)
     return data
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from node.fsutil import fsync_dir
 from node.train.compress import tensor_bytes
 
 Named = dict[str, torch.Tensor]
@@ -176,11 +177,7 @@ def save_named(path: str | os.PathLike, named: Named, metadata: dict[str, str] |
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
 
 
 def load_named(path: str | os.PathLike) -> Named:
