@@ -145,28 +145,27 @@ def hw(as_json: bool = typer.Option(False, "--json", help="Print the report as J
         hardware.render(report, Console())
 
 
+def _show(endpoint: str, data_dir: Optional[Path], url: Optional[str], as_json: bool, view: str) -> None:
+    from node import control, views
+    data = run_cli(lambda: control.call(_control_url(data_dir, url) + endpoint))
+    if as_json:
+        typer.echo(json.dumps(data, indent=1))
+    else:
+        getattr(views, view)(data)
+
+
 @app.command()
 def status(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Show the running node's status."""
-    from node import control, views
-    data = run_cli(lambda: control.call(_control_url(data_dir, url) + "/status"))
-    if as_json:
-        typer.echo(json.dumps(data, indent=1))
-    else:
-        views.print_status(data)
+    _show("/status", data_dir, url, as_json, "print_status")
 
 
 @app.command()
 def peers(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
           as_json: bool = typer.Option(False, "--json")) -> None:
     """List the peers the running node knows, with state and hardware."""
-    from node import control, views
-    data = run_cli(lambda: control.call(_control_url(data_dir, url) + "/peers"))
-    if as_json:
-        typer.echo(json.dumps(data, indent=1))
-    else:
-        views.print_peers(data)
+    _show("/peers", data_dir, url, as_json, "print_peers")
 
 
 def main() -> None:
