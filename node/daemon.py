@@ -90,8 +90,7 @@ class Node:
             "hardware": self.hardware_report,
             "peers": self.membership.table.counts(),
             "connected_peers": stats.connected_peers,
-            "banned_peers": sorted(p for p in list(self.membership.scores.banned_until)
-                                   if self.membership.is_banned(p)),
+            "banned_peers": self.banned_peers(),
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "messages": {"in": dict(self.traffic.messages_in), "out": dict(self.traffic.messages_out),
                          "dropped": dict(self.traffic.drops)},
@@ -99,6 +98,9 @@ class Node:
         for name, source in self.status_sources.items():
             out[name] = source()
         return out
+
+    def banned_peers(self) -> list[str]:
+        return sorted(p for p in list(self.membership.scores.banned_until) if self.membership.is_banned(p))
 
     def peers(self) -> list[dict]:
         now = trio.current_time()
@@ -148,7 +150,7 @@ class Node:
             yield "shoal_messages_dropped_total", "counter", "Messages refused, by reason", {"reason": reason}, n
         yield "shoal_gossip_rejected_total", "counter", "Gossip messages our validators rejected", {}, \
             stats.gossip_rejected
-        yield "shoal_banned_peers", "gauge", "Peers currently banned", {}, len(self.status()["banned_peers"])
+        yield "shoal_banned_peers", "gauge", "Peers currently banned", {}, len(self.banned_peers())
 
 
 ServiceFactory = Callable[[Node, trio.Nursery], Any]
