@@ -151,6 +151,9 @@ class Node:
         yield "shoal_gossip_rejected_total", "counter", "Gossip messages our validators rejected", {}, \
             stats.gossip_rejected
         yield "shoal_banned_peers", "gauge", "Peers currently banned", {}, len(self.banned_peers())
+        for reason, n in stats.offences.items():
+            yield ("shoal_host_refused_total", "counter", "Input refused inside the libp2p host, by reason",
+                   {"reason": reason}, n)
 
 
 ServiceFactory = Callable[[Node, trio.Nursery], Any]

@@ -146,6 +146,8 @@ class Membership:
     # -- services -----------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # What the host refuses below our handlers (broken gossip RPCs, bad signatures) costs the sender too.
+        self.host.set_offence_handler(self.penalize)
         self.host.set_stream_handler(HELLO_PROTOCOL, self._serve_hello)
         messages = self.host.subscribe(ANNOUNCE_TOPIC, self._validate)
         async with trio.open_nursery() as nursery:
@@ -181,12 +183,15 @@ class Membership:
             await trio.sleep(self.config.heartbeat_interval_s)
 
     async def _disconnect_banned(self) -> None:
+        """Disconnect each banned peer and have the host refuse it (connections, streams, gossip) while banned."""
         async for peer_id in self._disconnect_queue:
             with trio.move_on_after(self.config.dial_timeout_s):
                 try:
-                    await self.host.disconnect(peer_id)
+                    await self.host.block_peer(peer_id, self.scores.ban_s)
                 except TransportError:
                     pass
+                except ValueError:
+                    log.warning("not blocking %r: not a peer id", peer_id)
 
     # -- staying connected ----------------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class GossipMessage:
     """The peer that published it (authenticated by gossipsub's strict signing)."""
 
 
+OffenceHandler = Callable[[str, str], None]
+"""Called as handler(peer_id, reason) for input a peer sent that the host refused below the node's
+handlers (broken gossip RPCs, bad signatures, failing library streams). Must not raise or block."""
+
 GossipValidator = Callable[[GossipMessage], bool]
 """Decides whether a message is accepted and relayed. Must be cheap; an exception counts as False."""
 
@@ -80,6 +84,9 @@ class HostStatistics:
     handler_errors: int = 0
     streams_opened: int = 0
     streams_accepted: int = 0
+    offences: dict[str, int] = field(default_factory=dict)
+    """Input refused inside the host, by reason (also handed to the offence handler)."""
+    blocked_peers: int = 0
 
 
 class Host(Protocol):
@@ -102,6 +109,12 @@ class Host(Protocol):
     def connected_peers(self) -> list[str]: ...
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None: ...
+
+    def set_offence_handler(self, handler: OffenceHandler | None) -> None:
+        """Who hears of misbehaviour the host caught itself (see OffenceHandler)."""
+
+    async def block_peer(self, peer_id: str, duration_s: float) -> None:
+        """Disconnect ``peer_id`` and refuse its connections, streams and gossip for ``duration_s``."""
 
     async def open_stream(self, peer_id: str, protocol: str) -> Stream:
         """Open a stream (bounded by stream_open_timeout_s); PeerUnreachable on failure.

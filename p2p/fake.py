@@ -135,6 +135,8 @@ class FakeHost:
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._seqno = 0
         self._alive = True
+        self._blocked_until: dict[str, float] = {}
+        self._offence_handler = None
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
 
     def listen_addrs(self) -> list[str]:
@@ -148,6 +150,8 @@ class FakeHost:
         remote = self._network._reachable(self, peer_id)
         if remote is None:
             raise PeerUnreachable(f"dialing {addr} failed: no such peer, or it is partitioned away")
+        if self._is_blocked(peer_id) or remote._is_blocked(self.peer_id):
+            raise PeerUnreachable(f"dialing {addr} failed: the connection was refused (banned)")
         self._links.add(peer_id)
         remote._links.add(self.peer_id)
         self._network._notify()
@@ -162,6 +166,22 @@ class FakeHost:
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         self._handlers[protocol] = handler
+
+    def set_offence_handler(self, handler) -> None:
+        self._offence_handler = handler  # the fake never parses wire bytes, so it never calls it
+
+    async def block_peer(self, peer_id: str, duration_s: float) -> None:
+        if not peer_id or "/" in peer_id:
+            raise ValueError(f"{peer_id!r} is not a peer id")
+        self._blocked_until[peer_id] = trio.current_time() + duration_s
+        await self.disconnect(peer_id)
+
+    def _is_blocked(self, peer_id: str) -> bool:
+        until = self._blocked_until.get(peer_id)
+        if until is not None and trio.current_time() >= until:
+            del self._blocked_until[peer_id]
+            return False
+        return until is not None
 
     async def open_stream(self, peer_id: str, protocol: str) -> FakeStream:
         await trio.lowlevel.checkpoint()
@@ -183,6 +203,9 @@ class FakeHost:
         return local_end
 
     async def _serve(self, handler: StreamHandler, stream: FakeStream) -> None:
+        if self._is_blocked(stream.remote_peer):
+            stream._break()
+            return
         try:
             await handler(stream)
         except Exception as exc:
@@ -220,7 +243,7 @@ class FakeHost:
 
     def _accept(self, topic: str, data: bytes, forwarder: str, origin: str, msg_id: tuple[str, int]) -> bool:
         """Validate and deliver one copy; True when it should be relayed further."""
-        if msg_id in self._seen:
+        if msg_id in self._seen or self._is_blocked(forwarder):
             return False
         send, validator = self._subs.get(topic, (None, None))
         message = GossipMessage(topic=topic, data=data, forwarder=forwarder, origin=origin)
@@ -249,7 +272,8 @@ class FakeHost:
     def statistics(self) -> HostStatistics:
         s = self._stats
         return dataclasses.replace(s, connected_peers=len(self._links), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
-                                   bytes_received_by_peer=dict(s.bytes_received_by_peer))
+                                   bytes_received_by_peer=dict(s.bytes_received_by_peer),
+                                   blocked_peers=sum(self._is_blocked(p) for p in list(self._blocked_until)))
 
 
 class FakeNetwork:

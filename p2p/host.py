@@ -27,7 +27,8 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID, Transport a
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, StreamHandler
+from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, StreamHandler
+from p2p.guards import Offences, PeerGate, guard_identify_push, guard_pubsub, guard_swarm_streams
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -154,8 +155,9 @@ class Libp2pHost:
     """p2p.api.Host over a running libp2p host; create it with open_host()."""
 
     def __init__(self, keypair: Keypair, config: HostConfig, raw_host: Any, pubsub: Pubsub,
-                 nursery: trio.Nursery):
+                 nursery: trio.Nursery, offences: Offences, gate: PeerGate):
         self.peer_id = keypair.peer_id
+        self._offences, self._gate = offences, gate
         self._config = config
         self._host = raw_host
         self._pubsub = pubsub
@@ -197,12 +199,23 @@ class Libp2pHost:
     def connected_peers(self) -> list[str]:
         return [str(pid) for pid in self._host.get_connected_peers()]
 
+    def set_offence_handler(self, handler: OffenceHandler | None) -> None:
+        self._offences.set_handler(handler)
+
+    async def block_peer(self, peer_id: str, duration_s: float) -> None:
+        _to_id(peer_id)  # a ValueError for junk, before anything changes
+        self._gate.block(peer_id, duration_s)
+        await self.disconnect(peer_id)
+
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         async def serve(raw: Any) -> None:
             # An exception escaping here would tear down the whole libp2p host (notes §3.5).
             remote = str(raw.muxed_conn.peer_id)
             stream = _Stream(raw, remote, protocol, self._stats)
             self._stats.streams_accepted += 1
+            if self._gate.is_blocked(remote):
+                await stream.reset()
+                return
             try:
                 await handler(stream)
             except Exception as exc:
@@ -248,8 +261,11 @@ class Libp2pHost:
         def validate(forwarder: ID, msg: Any) -> bool:
             # An exception escaping a validator tears down pubsub and the host (notes §3.5).
             try:
-                if len(msg.data) > self._config.max_gossip_bytes:
+                if self._gate.is_blocked(str(forwarder)):
                     accepted = False
+                elif len(msg.data) > self._config.max_gossip_bytes:
+                    accepted = False
+                    self._offences.report(forwarder, "gossip_oversize")
                 else:
                     gossip = GossipMessage(topic=topic, data=bytes(msg.data), forwarder=str(forwarder),
                                            origin=str(ID(msg.from_id)))
@@ -369,15 +385,17 @@ class Libp2pHost:
 
     def statistics(self) -> HostStatistics:
         s = self._stats
-        return dataclasses.replace(s, connected_peers=len(self._host.get_connected_peers()), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
-                                   bytes_received_by_peer=dict(s.bytes_received_by_peer))
+        return dataclasses.replace(s, connected_peers=len(self._host.get_connected_peers()),
+                                   bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
+                                   bytes_received_by_peer=dict(s.bytes_received_by_peer),
+                                   offences=dict(self._offences.by_reason), blocked_peers=len(self._gate.blocked()))
 
 
 async def _no_auto_dial() -> None:
     return None
 
 
-def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub, Pubsub]:
+def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub, Pubsub, Offences, PeerGate]:
     key_pair = ed25519_key_pair(keypair.seed)
     raw_host = new_host(
         key_pair=key_pair,
@@ -404,7 +422,11 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     )
     max_rpc_bytes = max(1 << 20, 2 * config.max_gossip_bytes + GOSSIP_RPC_OVERHEAD_BYTES)
     pubsub = Pubsub(raw_host, gossipsub, strict_signing=True, max_inbound_rpc_size=max_rpc_bytes)
-    return raw_host, gossipsub, pubsub
+    offences = Offences()
+    guard_swarm_streams(raw_host, offences)
+    guard_identify_push(raw_host, offences)
+    guard_pubsub(raw_host, pubsub, offences, max_message_bytes=config.max_gossip_bytes)
+    return raw_host, gossipsub, pubsub, offences, PeerGate(raw_host, pubsub, offences)
 
 
 @asynccontextmanager
@@ -412,7 +434,7 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
     """Run a libp2p host until the block exits; connections to peers are closed on the way out."""
     config = config or HostConfig()
     listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
-    raw_host, gossipsub, pubsub = _build_libp2p(keypair, config)
+    raw_host, gossipsub, pubsub, offences, gate = _build_libp2p(keypair, config)
     # The teardown scope encloses every context below, so cleanup can be shielded and bounded
     # without exiting a nursery from inside a younger cancel scope.
     with trio.CancelScope() as teardown:
@@ -425,7 +447,7 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
             await stack.enter_async_context(background_trio_service(gossipsub))
             await pubsub.wait_until_ready()
             nursery = await stack.enter_async_context(trio.open_nursery())
-            host = Libp2pHost(keypair, config, raw_host, pubsub, nursery)
+            host = Libp2pHost(keypair, config, raw_host, pubsub, nursery, offences, gate)
             if config.mdns:
                 on_discovered = _thread_forwarder(host, trio.lowlevel.current_trio_token())
                 peerDiscovery.register_peer_discovered_handler(on_discovered)

@@ -15,6 +15,17 @@ PENALTIES = {
     "protocol_violation": 15.0,
     "handler_error": 5.0,
     "wrong_weights": 50.0,
+    # Refused inside the libp2p host (p2p.guards), below our own handlers.
+    "gossip_rpc_malformed": 20.0,
+    "gossip_rpc_oversize": 20.0,
+    "gossip_rpc_too_many_entries": 20.0,
+    "gossip_oversize": 20.0,
+    "gossip_bad_signature": 25.0,
+    "gossip_bad_peer_record": 10.0,
+    "gossip_too_many_subscriptions": 10.0,
+    "gossip_control_malformed": 15.0,
+    "gossip_malformed": 10.0,
+    "stream_error": 10.0,
 }
 
 

@@ -1,0 +1,154 @@
+"""Hostile input through py-libp2p's own handlers (pubsub, identify, the muxer) on real hosts.
+
+For each case the node must stay up, keep an honest peer alive in both directions, and count the
+event by reason; offences a peer can be blamed for are charged to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from node.membership import ANNOUNCE_TOPIC
+from tests.node.conftest import fast_config, start_node, wait_until
+from tests.p2p.hostile import (IDENTIFY_PUSH, MESHSUB, HostilePeer, garbage, multistream_line, rpc_bytes,
+                               varint)
+
+CALM = dict(heartbeat_interval_s=0.5, suspect_after_s=2.5, dead_after_s=4.0)
+
+
+async def _rpc_random(evil: HostilePeer) -> None:
+    await evil.send(MESHSUB, varint(300) + garbage(300))
+
+
+async def _rpc_truncated(evil: HostilePeer) -> None:
+    await evil.send(MESHSUB, varint(1000) + b"x" * 10)
+
+
+async def _rpc_huge_length(evil: HostilePeer) -> None:
+    await evil.send(MESHSUB, varint(1 << 40) + b"x" * 10)
+
+
+async def _rpc_bad_varint(evil: HostilePeer) -> None:
+    await evil.send(MESHSUB, b"\xff" * 12)
+
+
+async def _rpc_forged_message(evil: HostilePeer) -> None:
+    forged = dict(from_id=garbage(38), data=b"junk", seqno=b"\x00" * 8, topicIDs=[ANNOUNCE_TOPIC],
+                  signature=garbage(64))
+    await evil.send(MESHSUB, rpc_bytes(subscribe=[ANNOUNCE_TOPIC], publish=[forged]))
+
+
+async def _rpc_unsigned_message(evil: HostilePeer) -> None:
+    unsigned = dict(from_id=evil.host.get_id().to_bytes(), data=b"junk", seqno=b"\x00" * 8,
+                    topicIDs=[ANNOUNCE_TOPIC])
+    await evil.send(MESHSUB, rpc_bytes(publish=[unsigned]))
+
+
+async def _rpc_control_flood(evil: HostilePeer) -> None:
+    await evil.send(MESHSUB, rpc_bytes(ihave=(ANNOUNCE_TOPIC, [garbage(20) for _ in range(5000)])))
+
+
+async def _identify_push_garbage(evil: HostilePeer) -> None:
+    await evil.send(IDENTIFY_PUSH, varint(300) + garbage(300))
+
+
+async def _negotiation_garbage(evil: HostilePeer) -> None:
+    await evil.send(MESHSUB, b"")  # a normal open, so the connection exists
+    stream_opened = False
+    try:
+        with trio.move_on_after(5):
+            stream = await evil.host.get_network().new_stream(evil.info.peer_id)
+            stream_opened = True
+            await stream.write(multistream_line("/multistream/1.0.0") + garbage(500))
+            await stream.read(100)
+    except Exception:
+        pass
+    assert stream_opened
+
+
+async def _after_noise(evil: HostilePeer) -> None:
+    await evil.send_after_noise(garbage(2000), negotiate_yamux=False)
+
+
+async def _yamux_garbage(evil: HostilePeer) -> None:
+    await evil.send_after_noise(garbage(2000), negotiate_yamux=True)
+
+
+# (case, attack, the reason it must be counted under, or None when only survival is asserted:
+#  garbage that breaks a connection's handshake or muxer never reaches a point where libp2p names the peer)
+CASES = [
+    ("rpc_random", _rpc_random, "gossip_rpc_malformed"),
+    ("rpc_truncated", _rpc_truncated, "gossip_rpc_truncated"),
+    ("rpc_huge_length", _rpc_huge_length, "gossip_rpc_oversize"),
+    ("rpc_bad_varint", _rpc_bad_varint, "gossip_rpc_malformed"),
+    ("rpc_forged_message", _rpc_forged_message, "gossip_bad_signature"),
+    ("rpc_unsigned_message", _rpc_unsigned_message, "gossip_bad_signature"),
+    ("rpc_control_flood", _rpc_control_flood, "gossip_rpc_too_many_entries"),
+    ("identify_push_garbage", _identify_push_garbage, "identify_malformed"),
+    ("negotiation_garbage", _negotiation_garbage, None),
+    ("garbage_after_noise", _after_noise, None),
+    ("yamux_garbage", _yamux_garbage, None),
+]
+
+
+@pytest.mark.parametrize("name,attack,reason", CASES, ids=[c[0] for c in CASES])
+async def test_hostile_input_in_libp2p_handlers_is_contained(tmp_path, name, attack, reason):
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
+        honest, _ = await start_node(nursery, fast_config(tmp_path / "honest", bootstrap=node.host.listen_addrs(),
+                                                          **CALM))
+        node_id, honest_id = node.keypair.peer_id, honest.keypair.peer_id
+        await wait_until(lambda: node.membership.table.alive() == [honest_id], timeout_s=20)
+
+        evil = HostilePeer(node.host.listen_addrs()[0])
+        async with evil.host.run([]):
+            await evil.connect()
+            for _ in range(3):
+                await attack(evil)
+            if reason is not None:
+                await wait_until(lambda: node.host.statistics().offences.get(reason, 0) >= 1, timeout_s=10)
+            await evil.host.close()
+
+        # Honest gossip still flows both ways for a whole dead-after period.
+        seen_by_node = node.membership.table.peers[honest_id].last_seen
+        seen_by_honest = honest.membership.table.peers[node_id].last_seen
+        await trio.sleep(node.config.dead_after_s)
+        assert node.membership.table.alive() == [honest_id]
+        assert honest.membership.table.alive() == [node_id]
+        assert node.membership.table.peers[honest_id].last_seen > seen_by_node
+        assert honest.membership.table.peers[node_id].last_seen > seen_by_honest
+        if reason is not None and reason != "gossip_rpc_truncated":
+            assert node.traffic.drops[reason] >= 1  # charged to the peer through the offence handler
+            assert node.membership.scores.score(evil.peer_id, trio.current_time()) < 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_banned_peer_is_refused_when_it_reconnects_and_leaves_the_mesh(tmp_path):
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
+        evil = HostilePeer(node.host.listen_addrs()[0])
+        async with evil.host.run([]):
+            await evil.connect()
+            for _ in range(8):  # 20 points each: banned at 100
+                await _rpc_random(evil)
+                if node.membership.is_banned(evil.peer_id):
+                    break
+            await wait_until(lambda: node.membership.is_banned(evil.peer_id), timeout_s=10)
+            await wait_until(lambda: evil.peer_id not in node.host.connected_peers(), timeout_s=10)
+
+            refused_before = node.host.statistics().offences.get("banned_connection_refused", 0)
+            for _ in range(3):
+                try:
+                    await evil.connect()
+                except Exception:
+                    pass  # refused, as it should be
+                await trio.sleep(0.2)
+            assert evil.peer_id not in node.host.connected_peers()
+            assert node.host.statistics().offences.get("banned_connection_refused", 0) > refused_before
+            pubsub = node.host._pubsub
+            assert all(evil.peer_id not in {str(p) for p in peers} for peers in pubsub.router.mesh.values())
+            assert evil.peer_id not in {str(p) for p in pubsub.peers}
+            assert node.host.statistics().blocked_peers == 1
+            await evil.host.close()
+        nursery.cancel_scope.cancel()
