@@ -71,12 +71,18 @@ def start(
     env_config = os.environ.get("SHOAL_CONFIG")
     cfg = run_cli(lambda: load_config(path=config or (Path(env_config) if env_config else None), flags=flags))
     from node.logs import setup_logging
+    from node.preflight import check_startup
+    run_cli(lambda: check_startup(cfg))
     setup_logging(cfg.log_level, json_lines=cfg.log_json)
-    code = run_cli(lambda: _run_daemon(cfg))
-    raise typer.Exit(code)
+    raise typer.Exit(_run_daemon(cfg))
+
+
+class _NodeEnded(Exception):
+    """run_node returned although nobody asked it to stop: the node no longer serves."""
 
 
 def _run_daemon(cfg: NodeConfig) -> int:
+    """Run the node until a signal; 0 after a clean stop, 2 for a user's mistake, 1 for anything else."""
     import trio
 
     from node.daemon import run_node
@@ -89,11 +95,14 @@ def _run_daemon(cfg: NodeConfig) -> int:
             log.error("shutdown took longer than %.1f s; exiting anyway", SHUTDOWN_S)
             os._exit(1)
 
+    async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await run_node(cfg, services=default_services(), task_status=task_status)
+        raise _NodeEnded("the node stopped by itself")
+
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                node = await nursery.start(lambda task_status: run_node(
-                    cfg, services=default_services(), task_status=task_status))
+                node = await nursery.start(serve)
                 print(f"shoal ready peer_id={node.keypair.peer_id} control={node.control_url} "
                       f"addrs={','.join(node.membership.advertised_addrs())}", flush=True)
                 async for signum in signals:
@@ -102,14 +111,32 @@ def _run_daemon(cfg: NodeConfig) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
+    code = 0
     try:
         trio.run(main)
-    except KeyboardInterrupt:
+    except* KeyboardInterrupt:
         pass
+    except* ShoalError as group:
+        # One line for the user; the first error is the cause, later ones are its consequences.
+        typer.echo(f"shoal: error: {_first_leaf(group)}", err=True)
+        code = 2
+    except* _NodeEnded:
+        log.error("the node stopped by itself; see the log above for why")
+        code = 1
+    except* Exception as group:
+        log.critical("the node failed", exc_info=group)
+        code = 1
     finally:
         stopping.set()
-    log.info("stopped")
-    return 0
+    if code == 0:
+        log.info("stopped")
+    return code
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
 
 
 @app.command("id")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node import netaddrs
 from protocol.errors import ConfigError
 from protocol.manifest import DEFAULT_SHARD_BYTES, MAX_SHARD_BYTES, MIN_SHARD_BYTES
 from protocol.messages import KNOWN_ROLES
@@ -69,13 +70,17 @@ class NodeConfig:
         need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",
              f"must be between {MIN_SHARD_BYTES} and {MAX_SHARD_BYTES} bytes")
         need(bool(self.listen), "listen", "give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4001")
-        for key in ("listen", "announce_addrs", "bootstrap"):
-            for addr in getattr(self, key):
-                need(addr.startswith("/"), key, f"{addr!r} is not a multiaddr (like /ip4/1.2.3.4/tcp/4001)")
+        for addr in self.listen:
+            problem = netaddrs.listen_problem(addr)
+            need(problem is None, "listen", f"{addr!r}: {problem}")
+        for addr in self.announce_addrs:
+            problem = netaddrs.multiaddr_problem(addr)
+            need(problem is None, "announce_addrs", f"{addr!r}: {problem}")
         for addr in self.bootstrap:
-            need("/p2p/" in addr, "bootstrap", f"{addr!r} needs its /p2p/<peer id> suffix (see `shoal id` on that node)")
+            problem = netaddrs.dial_problem(addr)
+            need(problem is None, "bootstrap", f"{addr!r}: {problem}")
         for peer_id in self.allowed_initiators:
-            need(peer_id.startswith(("12D3KooW", "Qm", "16Uiu2")), "allowed_initiators",
+            need(netaddrs.is_peer_id(peer_id), "allowed_initiators",
                  f"{peer_id!r} is not a peer id (as `shoal id` prints it)")
         unknown = set(self.roles) - KNOWN_ROLES
         need(not unknown, "roles", f"unknown role(s) {sorted(unknown)}; choose from {sorted(KNOWN_ROLES)}")

@@ -237,10 +237,10 @@ class Lab:
         return ["ip", "netns", "exec", self.host(host).namespace, *argv]
 
     def env_for(self, host: str, base: dict | None = None) -> dict:
-        """base (default: os.environ) plus SHOAL_NETLAB_HOST and SHOAL_NETLAB_ADDRESS."""
+        """base (default: os.environ) plus NETLAB_HOST and NETLAB_ADDRESS."""
         target = self.host(host)
         return {**(os.environ if base is None else base),
-                "SHOAL_NETLAB_HOST": target.name, "SHOAL_NETLAB_ADDRESS": target.address}
+                "NETLAB_HOST": target.name, "NETLAB_ADDRESS": target.address}
 
     def exec(self, host: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         """Start argv inside the host; its pid is argv's own, and destroy() stops it."""

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtualenv in .venv and install Shoal with its test tools.
-# CPU torch is pinned by default; for a GPU build set SHOAL_TORCH, e.g.
-#   SHOAL_TORCH="torch --index-url https://download.pytorch.org/whl/cu128" bash scripts/setup.sh
+# CPU torch is pinned by default; for a GPU build set TORCH_SPEC, e.g.
+#   TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128" bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-VENV="${SHOAL_VENV:-.venv}"
-TORCH_SPEC="${SHOAL_TORCH:-torch==2.13.0}"
+VENV="${VENV_DIR:-.venv}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
     echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2

@@ -38,7 +38,7 @@ class TaskOptions:
     env: dict[str, str] = field(default_factory=dict)
 
     def trainer_env(self) -> dict[str, str]:
-        return {**os.environ, "SHOAL_TRAIN_THREADS": str(self.trainer_threads), **self.env}
+        return {**os.environ, "TRAINER_THREADS": str(self.trainer_threads), **self.env}
 
 
 @dataclass

@@ -219,7 +219,7 @@ def main() -> int:
     # Keep stdout for frames only: anything a library prints goes to stderr instead.
     frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    threads = os.environ.get("SHOAL_TRAIN_THREADS")
+    threads = os.environ.get("TRAINER_THREADS")
     if threads:
         import torch
 

@@ -65,9 +65,9 @@ def test_hosts_reach_each_other_over_tcp(netlab_factory):
     lab = netlab_factory(2)
     assert netlab.reachable(lab, "h0", "h1")
     assert netlab.reachable(lab, "h1", "h0")
-    shown = lab.run("h0", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"])
+    shown = lab.run("h0", ["sh", "-c", "echo $NETLAB_ADDRESS"])
     assert shown.stdout.strip() == lab.host("h0").address
-    started = lab.exec("h1", ["sh", "-c", "echo $SHOAL_NETLAB_ADDRESS"], stdout=subprocess.PIPE, text=True)
+    started = lab.exec("h1", ["sh", "-c", "echo $NETLAB_ADDRESS"], stdout=subprocess.PIPE, text=True)
     assert started.communicate(timeout=10)[0].strip() == lab.host("h1").address
 
 
@@ -170,7 +170,7 @@ def test_cli_up_cut_heal_status_down(netlab_session):
         assert [h["cut"] for h in labs[prefix]["hosts"]] == [False, True]
         assert labs[prefix]["hosts"][0]["up_bits"] == 20_000_000 and labs[prefix]["owner_alive"]
         assert netlab_cli("heal", "--prefix", prefix, "h1").returncode == 0
-        shown = netlab_cli("exec", "--prefix", prefix, "h1", "--", "sh", "-c", "echo $SHOAL_NETLAB_ADDRESS")
+        shown = netlab_cli("exec", "--prefix", prefix, "h1", "--", "sh", "-c", "echo $NETLAB_ADDRESS")
         assert shown.stdout.strip() == json.loads(up.stdout)["hosts"]["h1"]
         assert netlab_cli("down", "--prefix", prefix).returncode == 0
         assert leftovers(prefix) == []

@@ -14,11 +14,11 @@ from protocol.errors import ConfigError
 
 def test_flags_beat_environment_beat_file(tmp_path):
     path = tmp_path / "shoal.toml"
-    path.write_text('heartbeat_interval_s = 3.0\ndead_after_s = 30.0\nbootstrap = ["/ip4/1.2.3.4/tcp/1/p2p/X"]\n')
+    path.write_text('heartbeat_interval_s = 3.0\ndead_after_s = 30.0\nbootstrap = ["/ip4/1.2.3.4/tcp/1/p2p/12D3KooWDEAX7Tvp7j3gsuVnFtKjPENghUDT7JzJLLmMDz51FAtz"]\n')
     cfg = load_config(path=path, env={"SHOAL_DEAD_AFTER_S": "20"}, flags={"dead_after_s": 15.0, "mdns": None})
     assert cfg.heartbeat_interval_s == 3.0  # file
     assert cfg.dead_after_s == 15.0  # flag over env over file
-    assert cfg.bootstrap == ["/ip4/1.2.3.4/tcp/1/p2p/X"]
+    assert cfg.bootstrap == ["/ip4/1.2.3.4/tcp/1/p2p/12D3KooWDEAX7Tvp7j3gsuVnFtKjPENghUDT7JzJLLmMDz51FAtz"]
     assert load_config(path=path, env={"SHOAL_DEAD_AFTER_S": "20"}).dead_after_s == 20.0
 
 
@@ -33,7 +33,7 @@ def test_a_node_table_in_the_file_is_accepted(tmp_path):
     ("heartbeat_interval_s = 'fast'", "heartbeat_interval_s = 'fast'.*must be a number"),
     ("dead_after_s = 1.0", "dead_after_s = 1.0: must be at least suspect_after_s"),
     ("control_host = '0.0.0.0'", "loopback only"),
-    ("bootstrap = ['/ip4/1.2.3.4/tcp/1']", "needs its /p2p/<peer id> suffix"),
+    ("bootstrap = ['/ip4/1.2.3.4/tcp/1']", "/p2p/<peer id> suffix"),
     ("roles = ['emperor']", "unknown role"),
     ("this is not toml", "not valid TOML"),
 ])
