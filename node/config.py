@@ -42,6 +42,8 @@ class NodeConfig:
     gossip_burst: int = 60
     allowed_initiators: list[str] = field(default_factory=list)
     """Peer ids whose tasks this node accepts; empty accepts any signed task."""
+    max_tasks: int = 2
+    """Tasks this node runs at once (each has its own trainer process); more are declined."""
     hardware_benchmark: bool = True
     shard_single_source: bool = False
     """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
@@ -65,6 +67,7 @@ class NodeConfig:
         need(self.control_host in ("127.0.0.1", "::1", "localhost"), "control_host",
              "the control API has no authentication and binds to loopback only: use 127.0.0.1")
         need(1 <= self.max_peers <= 10_000, "max_peers", "must be between 1 and 10000")
+        need(1 <= self.max_tasks <= 64, "max_tasks", "must be between 1 and 64")
         need(self.gossip_rate_per_s > 0 and self.gossip_burst >= 1, "gossip_rate_per_s",
              "the gossip flood limit needs a positive rate and a burst of at least 1")
         need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",

@@ -33,6 +33,8 @@ HELLO_PROTOCOL = "/shoal/hello/1"
 MAX_ANNOUNCE_BYTES = 16 * 1024
 HELLO_TIMEOUT_S = 5.0
 MAX_REDIAL_BACKOFF_S = 30.0
+RELAY_BUDGET_FACTOR = 10
+"""A connection may relay this many times one origin's gossip budget."""
 
 
 def unix_ms() -> int:
@@ -67,6 +69,9 @@ class Membership:
                                dead_after_s=config.dead_after_s, forget_after_s=max(300.0, 10 * config.dead_after_s))
         self.scores = Scoreboard()
         self.flood = FloodLimiter(rate_per_s=config.gossip_rate_per_s, burst=config.gossip_burst)
+        # Whatever one connection relays, from however many origins (keys cost nothing to make).
+        self.relay_flood = FloodLimiter(rate_per_s=RELAY_BUDGET_FACTOR * config.gossip_rate_per_s,
+                                        burst=RELAY_BUDGET_FACTOR * config.gossip_burst)
         self.status_line = ""
         self._seq = 0
         self._dialing: set[str] = set()
@@ -116,6 +121,10 @@ class Membership:
             return None
         if not self.flood.allow(msg.origin, now):
             self.penalize(msg.origin, "flood")
+            return None
+        if not self.relay_flood.allow(msg.forwarder, now):
+            # Not charged: an honest relay forwards floods it did not make; their origins pay above.
+            self.traffic.drops["flood_relayed"] += 1
             return None
         try:
             signed = open_sealed(msg.data, max_bytes=max_bytes, expect=expect)

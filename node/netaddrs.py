@@ -78,7 +78,8 @@ def dial_problem(addr: str) -> str | None:
     if problem:
         return problem
     names = _protocols(maddr)
-    if names[-1:] != ["p2p"] or "tcp" not in names:
+    # /memory/<n> is p2p.fake's in-process network, which tests run whole nodes on.
+    if names[-1:] != ["p2p"] or not ("tcp" in names or names[0] == "memory"):
         return "needs a TCP address and its /p2p/<peer id> suffix, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3KooW... (see `shoal id` on that node)"
     if not is_peer_id(maddr.value_for_protocol("p2p")):
         return "its /p2p/ part is not a peer id (see `shoal id` on that node)"

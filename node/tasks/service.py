@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 import trio
 
 from node.control import HttpError, Request, Response
+from node.fsutil import write_atomic
 from p2p.api import GossipMessage
 from protocol.envelope import open_sealed, seal
+from protocol.scores import FloodLimiter
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.task import (DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, TaskSpec, load_spec_toml,
                            spec_from_dict, spec_to_dict, task_id)
@@ -19,6 +21,7 @@ from protocol.task import (DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, 
 log = logging.getLogger("shoal.tasks")
 
 MAX_KNOWN_TASKS = 256
+"""Declined and finished tasks remembered (so a re-gossiped spec is not judged again); oldest forgotten first."""
 MIN_KEEP_MANIFESTS = 256
 """Rounds publish and fetch many manifests (slices, aggregates, weights); the store must keep a few rounds'."""
 
@@ -34,6 +37,8 @@ class TaskOptions:
     eval_batches: int = 8
     trainer_threads: int = 1
     join: bool = True
+    max_tasks: int = 2
+    """Tasks run at once; each one starts a trainer process, so a flood of joinable specs must not start more."""
     specs_topic: str = SPECS_TOPIC
     env: dict[str, str] = field(default_factory=dict)
 
@@ -46,15 +51,20 @@ class KnownTask:
     spec: TaskSpec
     initiator: str
     sealed: bytes
-    decision: str  # "joined" | "declined"
+    decision: str  # "joined" | "declined" | "failed"
     reason: str = ""
     runner: object = None
+
+    @property
+    def running(self) -> bool:
+        return self.decision == "joined" and self.runner is not None
 
 
 class TaskService:
     def __init__(self, node, options: TaskOptions):
         self.node, self.options = node, options
         self.tasks: dict[str, KnownTask] = {}
+        self._decline_log = FloodLimiter(rate_per_s=0.2, burst=20)
         self._nursery: trio.Nursery | None = None
 
     # -- judging specs ---------------------------------------------------------------------------
@@ -85,31 +95,62 @@ class TaskService:
             try:
                 signed = open_sealed(msg.data, max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=TaskSpec)
             except RemoteProtocolError:
-                continue
-            await self.consider(signed.message, signed.signer, msg.data)
+                continue  # already judged (and charged) by the validator
+            try:
+                await self.consider(signed.message, signed.signer, msg.data)
+            except Exception:
+                # The supervision point for spec intake: one bad spec must never stop the daemon.
+                log.exception("task spec from %s could not be considered", msg.origin)
+                self.node.membership.penalize(msg.origin, "task_intake_error")
 
     async def consider(self, spec: TaskSpec, initiator: str, sealed: bytes) -> KnownTask:
         tid = task_id(spec)
         known = self.tasks.get(tid)
         if known is not None:
             return known
-        if len(self.tasks) >= MAX_KNOWN_TASKS:
-            raise TaskRejected("this node tracks too many tasks already")
         try:
             self.judge(spec, initiator)
+            running = sum(k.running for k in self.tasks.values())
+            if running >= self.options.max_tasks:
+                raise TaskRejected(f"this node already runs {running} task(s) (max_tasks = {self.options.max_tasks})")
         except TaskRejected as exc:
-            log.warning("declining task %s (%s) from %s: %s", tid[:12], spec.name, initiator, exc)
-            known = self.tasks[tid] = KnownTask(spec, initiator, sealed, "declined", str(exc))
+            # A flood of specs must not flood the log: after a few, declines are logged at debug level.
+            level = logging.WARNING if self._decline_log.allow("declines", trio.current_time()) else logging.DEBUG
+            log.log(level, "declining task %s (%s) from %s: %s", tid[:12], spec.name, initiator, exc)
+            known = self._remember(tid, KnownTask(spec, initiator, sealed, "declined", str(exc)))
+            self.node.traffic.drops["task_declined"] += 1
             return known
         log.info("joining task %s (%s) from %s", tid[:12], spec.name, initiator)
-        known = self.tasks[tid] = KnownTask(spec, initiator, sealed, "joined")
+        known = self._remember(tid, KnownTask(spec, initiator, sealed, "joined"))
         directory = self.node.config.data_dir / "tasks" / tid
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "spec.sealed").write_bytes(sealed)
+        write_atomic(directory / "spec.sealed", sealed)
         from node.tasks.runner import TaskRunner  # torch is imported with it
         known.runner = TaskRunner(self.node, spec, tid, directory, self.options)
-        await self._nursery.start(known.runner.run, sealed)
+        await self._nursery.start(self._supervise, tid, known, sealed)
         return known
+
+    def _remember(self, tid: str, known: KnownTask) -> KnownTask:
+        """Keep every running task; forget the oldest others past MAX_KNOWN_TASKS, so a flood cannot grow us."""
+        self.tasks[tid] = known
+        idle = [t for t, k in self.tasks.items() if not k.running]
+        for old in idle[:max(0, len(self.tasks) - MAX_KNOWN_TASKS)]:
+            del self.tasks[old]
+            self.node.traffic.drops["task_forgotten"] += 1
+        return known
+
+    async def _supervise(self, tid: str, known: KnownTask, sealed: bytes,
+                         task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The supervision point of one task: its failure marks it failed and never reaches the daemon."""
+        status = _Started(task_status)
+        try:
+            await known.runner.run(sealed, task_status=status)
+        except Exception as exc:
+            log.exception("task %s (%s) failed", tid[:12], known.spec.name)
+            known.decision, known.reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
+            self.node.traffic.drops["task_failed"] += 1
+        if not status.done:
+            task_status.started()
 
     async def _resume(self) -> None:
         """Tasks this node had joined before a restart: judged again, then resumed from their checkpoints."""
@@ -120,7 +161,10 @@ class TaskService:
             except (RemoteProtocolError, OSError) as exc:
                 log.warning("not resuming %s: %s", path.parent.name, exc)
                 continue
-            await self.consider(signed.message, signed.signer, path.read_bytes())
+            try:
+                await self.consider(signed.message, signed.signer, path.read_bytes())
+            except Exception:
+                log.exception("not resuming task %s", path.parent.name)
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -202,10 +246,22 @@ class TaskService:
             task_status.started()
 
 
+class _Started:
+    """A task_status that remembers whether started() was called, so a supervisor can call it once."""
+
+    def __init__(self, inner):
+        self._inner, self.done = inner, False
+
+    def started(self, value=None) -> None:
+        self.done = True
+        self._inner.started(value)
+
+
 def options_from_node(node) -> TaskOptions:
     allowed = tuple(getattr(node.config, "allowed_initiators", ()) or ())
     interval = min(2.0, max(0.2, node.config.heartbeat_interval_s))
-    return TaskOptions(allowed_initiators=allowed, announce_interval_s=interval, listen_s=2.5 * interval)
+    return TaskOptions(allowed_initiators=allowed, announce_interval_s=interval, listen_s=2.5 * interval,
+                       max_tasks=node.config.max_tasks)
 
 
 def task_service(options: TaskOptions | None = None):
