@@ -134,21 +134,35 @@ class SwarmNode:
         return sorted(p for p, state in self.peers.items() if state == "alive")
 
 
-def stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM each process we started, then SIGKILL whatever is left after the grace period."""
+def stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> dict[int, float | None]:
+    """SIGTERM each process we started, then SIGKILL whatever is left after the grace period.
+
+    Returns each pid's seconds from SIGTERM to exit (None for one that had to be killed).
+    """
+    signalled = time.monotonic()
     for proc in procs:
         if proc.poll() is None:
             try:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    deadline = signalled + grace_s
+    took: dict[int, float | None] = {}
+    pending = [p for p in procs]
+    while pending and time.monotonic() < deadline:
+        for proc in list(pending):
+            if proc.poll() is not None:
+                took[proc.pid] = round(time.monotonic() - signalled, 2)
+                pending.remove(proc)
+        time.sleep(0.02)
+    for proc in pending:
+        if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=5)
+            took[proc.pid] = None
+        else:
+            took[proc.pid] = round(time.monotonic() - signalled, 2)
+    return took
 
 
 class Swarm:
@@ -225,7 +239,7 @@ class Swarm:
         return all(n.seen_all_at is not None for n in self.nodes)
 
     def stop(self) -> None:
-        stop([n.proc for n in self.nodes if n.proc is not None])
+        self.stop_seconds = stop([n.proc for n in self.nodes if n.proc is not None])
         stop([n.watcher for n in self.nodes if n.watcher is not None], grace_s=1.0)
         for node in self.nodes:
             node.exit_code = node.proc.returncode if node.proc else None
@@ -254,7 +268,8 @@ class Swarm:
             "peers_seen": n.alive_peers() if n.peers else [],
             "peers_ever_seen": sorted(n.peers),
             "seconds_to_see_all": None if n.seen_all_at is None else round(max(0.0, n.seen_all_at - all_ready_at), 2),
-            "exit_code": n.exit_code, "log": str(n.log_path)} for n in self.nodes]}
+            "exit_code": n.exit_code, "stop_seconds": getattr(self, "stop_seconds", {}).get(n.proc.pid) if n.proc else None,
+            "log": str(n.log_path)} for n in self.nodes]}
 
 
 def run(args: argparse.Namespace) -> int:
