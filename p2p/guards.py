@@ -265,6 +265,12 @@ class PeerGate:
                         await muxed_conn.close()
                     except Exception:
                         pass
+                # The swarm attached the connection's resource-manager scope to muxed_conn and
+                # releases it only through a SwarmConn; refused here, it would leak one of the
+                # resource manager's connection slots per refusal until no peer could connect.
+                scope = getattr(muxed_conn, "_resource_scope", None)
+                if scope is not None:
+                    scope.close()
                 raise SwarmException(f"peer {peer_id} is banned")
             return await inner(muxed_conn, direction)
 

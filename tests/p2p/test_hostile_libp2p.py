@@ -11,7 +11,7 @@ import trio
 
 from node.membership import ANNOUNCE_TOPIC
 from tests.node.conftest import fast_config, start_node, wait_until
-from tests.p2p.hostile import (IDENTIFY_PUSH, MESHSUB, HostilePeer, garbage, multistream_line, rpc_bytes,
+from p2p.rawpeer import (IDENTIFY_PUSH, MESHSUB, HostilePeer, garbage, multistream_line, rpc_bytes,
                                varint)
 
 CALM = dict(heartbeat_interval_s=0.5, suspect_after_s=2.5, dead_after_s=4.0)
@@ -151,4 +151,30 @@ async def test_a_banned_peer_is_refused_when_it_reconnects_and_leaves_the_mesh(t
             assert evil.peer_id not in {str(p) for p in pubsub.peers}
             assert node.host.statistics().blocked_peers == 1
             await evil.host.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_refused_reconnects_of_banned_peers_never_lock_out_new_peers(tmp_path):
+    """Each refusal once leaked one of libp2p's resource-manager connection slots (1,000 in all): banned
+    peers redialling locked every new peer out for good."""
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
+        manager = node.host._host.get_network()._resource_manager
+        for _ in range(30):
+            evil = HostilePeer(node.host.listen_addrs()[0])
+            async with evil.host.run([]):
+                await evil.connect()
+                await node.host.block_peer(evil.peer_id, 300)
+                try:
+                    await evil.connect()
+                except Exception:
+                    pass  # refused
+                await evil.host.close()
+        assert node.host.statistics().offences["banned_connection_refused"] >= 10
+        assert manager._current_connections <= 2, f"{manager._current_connections} slots held after the refusals"
+        newcomer = HostilePeer(node.host.listen_addrs()[0])
+        async with newcomer.host.run([]):
+            await newcomer.connect()
+            await wait_until(lambda: newcomer.peer_id in node.host.connected_peers(), timeout_s=10)
+            await newcomer.host.close()
         nursery.cancel_scope.cancel()

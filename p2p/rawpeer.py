@@ -1,4 +1,4 @@
-"""A hostile libp2p peer for tests and the wire fuzzer: raw bytes on any protocol, at any layer.
+"""A raw libp2p peer for hostile-input testing (the wire fuzzer, the hostile suites): any bytes, any layer.
 
 It is a bare py-libp2p host (Noise + Yamux, like a real peer), plus a hand-made connection that
 stops after the Noise handshake or after muxer negotiation, so every layer can be fed garbage.
@@ -107,3 +107,29 @@ class HostilePeer:
                 await secure.close()
         except Exception:
             pass
+
+
+PUBSUB_SIGNING_PREFIX = b"libp2p-pubsub:"
+
+
+class RawPeerSession:
+    """Streams of one HostilePeer kept open for many frames (the fuzzer's fast path)."""
+
+    def __init__(self, peer: HostilePeer):
+        self.peer = peer
+        self._seqno = 0
+
+    def gossip_frame(self, topic: str, data: bytes) -> bytes:
+        """An RPC frame carrying one message validly signed by this peer, so it reaches the node's validators."""
+        self._seqno += 1
+        msg = rpc_pb2.Message(data=data, topicIDs=[topic], from_id=self.peer.host.get_id().to_bytes(),
+                              seqno=self._seqno.to_bytes(8, "big"))
+        msg.signature = self.peer.key_pair.private_key.sign(PUBSUB_SIGNING_PREFIX + msg.SerializeToString())
+        rpc = rpc_pb2.RPC()
+        rpc.publish.append(msg)
+        body = rpc.SerializeToString()
+        return varint(len(body)) + body
+
+    async def open(self, protocol: str):
+        """A raw libp2p stream; exceptions are the caller's to expect."""
+        return await self.peer.host.new_stream(self.peer.info.peer_id, [TProtocol(protocol)])
