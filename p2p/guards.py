@@ -355,3 +355,49 @@ def fix_prune_backoff(gossipsub: Any) -> None:
 
     gossipsub.mesh_heartbeat = mesh_heartbeat
     gossipsub.emit_prune = emit_prune_with_backoff
+
+
+def fix_inbound_slots(raw_host: Any) -> None:
+    """Give an inbound connection's slot back when the connection ends, not when the host stops.
+
+    py-libp2p admits inbound connections through a CapacityLimiter (max_connections slots),
+    and its handler keeps its slot until the whole swarm shuts down ("intentional barrier":
+    ``await self.manager.wait_finished()``). Every inbound connection ever accepted, honest
+    reconnects included, uses one up: after ~max_connections of them the node refuses every
+    new peer for good (found by scripts/fuzz_wire.py at about 130 identities). Here the
+    handler lives exactly as long as its connection.
+    """
+    from libp2p.abc import IMuxedConn
+    from libp2p.network.connection.raw_connection import RawConnection
+
+    swarm = raw_host.get_network()
+    inner = swarm._do_handle_inbound_connection
+
+    async def close_quietly(resource: Any) -> None:
+        with trio.move_on_after(CLEANUP_S, shield=True):
+            try:
+                await resource.close()
+            except Exception:
+                pass
+
+    async def handle(read_write_closer: Any, maddr: Any, failure_event: Any) -> None:
+        if isinstance(read_write_closer, IMuxedConn):
+            await inner(read_write_closer, maddr, failure_event)  # QUIC and the like: not ours to change
+            return
+        remote = swarm._build_remote_multiaddr(read_write_closer)
+        if remote is not None and not await swarm.connection_gate.is_allowed(remote):
+            await close_quietly(read_write_closer)
+            return
+        raw_conn = RawConnection(read_write_closer, False)
+        try:
+            muxed_conn = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
+        except Exception as exc:
+            logger.debug("inbound connection from %s failed: %r", remote, exc)
+            await close_quietly(raw_conn)
+            return
+        registered = [c for c in swarm.connections.get(muxed_conn.peer_id, []) if c.muxed_conn is muxed_conn]
+        if registered:
+            # The TCP stream belongs to this handler: trio closes it when the handler returns.
+            await registered[0].event_closed.wait()
+
+    swarm._do_handle_inbound_connection = handle

@@ -28,8 +28,8 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, StreamHandler
-from p2p.guards import (Offences, PeerGate, fix_prune_backoff, guard_identify_push, guard_pubsub,
-                        guard_swarm_streams)
+from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
+                        guard_pubsub, guard_swarm_streams)
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -424,6 +424,7 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     max_rpc_bytes = max(1 << 20, 2 * config.max_gossip_bytes + GOSSIP_RPC_OVERHEAD_BYTES)
     pubsub = Pubsub(raw_host, gossipsub, strict_signing=True, max_inbound_rpc_size=max_rpc_bytes)
     fix_prune_backoff(gossipsub)
+    fix_inbound_slots(raw_host)
     offences = Offences()
     guard_swarm_streams(raw_host, offences)
     guard_identify_push(raw_host, offences)

@@ -178,3 +178,18 @@ async def test_refused_reconnects_of_banned_peers_never_lock_out_new_peers(tmp_p
             await wait_until(lambda: newcomer.peer_id in node.host.connected_peers(), timeout_s=10)
             await newcomer.host.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_inbound_connection_slots_come_back_when_connections_end(tmp_path):
+    """py-libp2p held each inbound connection's admission slot until the host stopped: after max_connections
+    connections in a node's life (any peers, honest ones too) it refused everybody new."""
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", max_peers=4, **CALM))  # 8 slots
+        for _ in range(12):
+            visitor = HostilePeer(node.host.listen_addrs()[0])
+            async with visitor.host.run([]):
+                await visitor.connect()
+                await wait_until(lambda: visitor.peer_id in node.host.connected_peers(), timeout_s=10)
+                await visitor.host.close()
+            await wait_until(lambda: visitor.peer_id not in node.host.connected_peers(), timeout_s=10)
+        nursery.cancel_scope.cancel()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -115,8 +114,8 @@ def test_aggregate_is_deterministic_and_in_sorted_producer_order():
     a, b = encode_int8(torch.randn(numel)), encode_int8(torch.randn(numel))
     one = compute.aggregate({"p1": (a, 10), "p2": (b, 30)}, numel)
     two = compute.aggregate({"p2": (b, 30), "p1": (a, 10)}, numel)
-    assert one == two and len(one[1]) == 64
-    assert json.dumps(one[1])
+    assert one == two
+    assert len(one[1]) == 64 and int(one[1], 16) >= 0  # a sha256 in hex
 
 
 async def publish_weights(node, tmp_path, weights) -> str:
