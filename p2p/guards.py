@@ -72,16 +72,29 @@ async def _reset_quietly(stream: Any) -> None:
             pass  # the stream or its connection is already gone
 
 
+MAX_INBOUND_STREAMS_PER_PEER = 128
+"""Streams one peer may have open towards us at once, all protocols together. An honest node uses a
+handful (gossip, a few shard transfers); py-libp2p's only limit is 10,000 for everyone together."""
+
+
 def guard_swarm_streams(raw_host: Any, offences: Offences) -> None:
     """Contain every inbound stream: protocol negotiation and the library's own handlers.
 
     py-libp2p runs each inbound stream's negotiation and handler (identify, identify-push,
     ping, pubsub) in the connection's nursery; an exception escaping any of them tears down
     the swarm and the whole host (e.g. protobuf's DecodeError from pubsub, notes §2026-12-01).
+    One peer's concurrent streams are capped too, so it cannot use up the shared limit.
     """
     inner = raw_host._swarm_stream_handler
+    open_by_peer: Counter[str] = Counter()
 
     async def guarded(net_stream: Any) -> None:
+        peer = str(getattr(getattr(net_stream, "muxed_conn", None), "peer_id", "?"))
+        if open_by_peer[peer] >= MAX_INBOUND_STREAMS_PER_PEER:
+            offences.report(peer, "too_many_streams")
+            await _reset_quietly(net_stream)
+            return
+        open_by_peer[peer] += 1
         try:
             await inner(net_stream)
         except _GONE:
@@ -92,6 +105,10 @@ def guard_swarm_streams(raw_host: Any, offences: Offences) -> None:
             logger.debug("inbound %s stream from %s failed", protocol, peer_id, exc_info=True)
             offences.report(peer_id, "stream_error")
             await _reset_quietly(net_stream)
+        finally:
+            open_by_peer[peer] -= 1
+            if open_by_peer[peer] <= 0:
+                del open_by_peer[peer]
 
     raw_host.get_network().set_stream_handler(guarded)
 

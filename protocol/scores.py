@@ -26,6 +26,7 @@ PENALTIES = {
     "gossip_control_malformed": 15.0,
     "gossip_malformed": 10.0,
     "stream_error": 10.0,
+    "too_many_streams": 5.0,
     "task_intake_error": 10.0,
 }
 

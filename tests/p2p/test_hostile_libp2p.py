@@ -10,10 +10,12 @@ import pytest
 import trio
 
 from node.membership import ANNOUNCE_TOPIC
+from p2p.guards import MAX_INBOUND_STREAMS_PER_PEER
 from tests.node.conftest import fast_config, start_node, wait_until
-from p2p.rawpeer import (IDENTIFY_PUSH, MESHSUB, HostilePeer, garbage, multistream_line, rpc_bytes,
-                               varint)
+from p2p.rawpeer import (IDENTIFY_PUSH, MESHSUB, HostilePeer, RawPeerSession, garbage, multistream_line,
+                         rpc_bytes, varint)
 
+PING = "/ipfs/ping/1.0.0"
 CALM = dict(heartbeat_interval_s=0.5, suspect_after_s=2.5, dead_after_s=4.0)
 
 
@@ -192,4 +194,31 @@ async def test_inbound_connection_slots_come_back_when_connections_end(tmp_path)
                 await wait_until(lambda: visitor.peer_id in node.host.connected_peers(), timeout_s=10)
                 await visitor.host.close()
             await wait_until(lambda: visitor.peer_id not in node.host.connected_peers(), timeout_s=10)
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_peer_cannot_hold_more_than_its_share_of_streams(tmp_path):
+    """Silent ping streams, opened all at once: the library's ping handler waits 10 s for each, unpunished."""
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
+        evil = HostilePeer(node.host.listen_addrs()[0])
+        async with evil.host.run([]):
+            await evil.connect()
+            session = RawPeerSession(evil)
+
+            async def open_one() -> None:
+                try:
+                    with trio.move_on_after(10):
+                        await session.open(PING)
+                        await trio.sleep_forever()
+                except Exception:
+                    pass  # reset once over the cap
+
+            async with trio.open_nursery() as openers:
+                for _ in range(MAX_INBOUND_STREAMS_PER_PEER + 20):
+                    openers.start_soon(open_one)
+                await wait_until(lambda: node.host.statistics().offences.get("too_many_streams", 0) >= 1,
+                                 timeout_s=10)
+                openers.cancel_scope.cancel()
+            await evil.host.close()
         nursery.cancel_scope.cancel()
