@@ -418,3 +418,28 @@ def fix_inbound_slots(raw_host: Any) -> None:
             await registered[0].event_closed.wait()
 
     swarm._do_handle_inbound_connection = handle
+
+
+def protect_peerstore(raw_host: Any) -> None:
+    """Never evict our own identity (or a connected peer) from the peerstore.
+
+    py-libp2p's peerstore keeps at most 1,000 peers and evicts entries without addresses
+    first, and our own entry holds keys but no addresses: after about a thousand distinct
+    peers (5,000 attacker identities in the wire fuzzer) it evicted us, and the next publish
+    failed with "peer ID not found" inside the heartbeat.
+    """
+    peerstore = raw_host.get_peerstore()
+
+    def enforce_peer_limit() -> None:
+        excess = len(peerstore.peer_data_map) - peerstore.max_peers
+        if excess <= 0:
+            return
+        keep = {raw_host.get_id(), *raw_host.get_connected_peers()}
+        # Same order as the library: entries without addresses, then expired ones, go first.
+        candidates = sorted((item for item in peerstore.peer_data_map.items() if item[0] not in keep),
+                            key=lambda item: (not item[1].get_addrs(), item[1].is_expired()), reverse=True)
+        for peer_id, _ in candidates[:excess]:
+            peerstore.peer_record_map.pop(peer_id, None)
+            del peerstore.peer_data_map[peer_id]
+
+    peerstore._enforce_peer_limit = enforce_peer_limit

@@ -29,7 +29,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, StreamHandler
 from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
-                        guard_pubsub, guard_swarm_streams)
+                        guard_pubsub, guard_swarm_streams, protect_peerstore)
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -335,7 +335,10 @@ class Libp2pHost:
         # behind one) would vanish instead of waiting its turn.
         async with self._publish_lock:
             await self._wait_for_outbound_room()
-            await self._pubsub.publish(topic, bytes(data))
+            try:
+                await self._pubsub.publish(topic, bytes(data))
+            except Exception as exc:  # the one place pubsub's publish failures are mapped
+                raise TransportError(f"publishing on {topic} failed: {exc!r}") from exc
         self._stats.gossip_published += 1
 
     async def _wait_for_outbound_room(self) -> None:
@@ -425,6 +428,7 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     pubsub = Pubsub(raw_host, gossipsub, strict_signing=True, max_inbound_rpc_size=max_rpc_bytes)
     fix_prune_backoff(gossipsub)
     fix_inbound_slots(raw_host)
+    protect_peerstore(raw_host)
     offences = Offences()
     guard_swarm_streams(raw_host, offences)
     guard_identify_push(raw_host, offences)

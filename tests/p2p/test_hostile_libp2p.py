@@ -222,3 +222,22 @@ async def test_one_peer_cannot_hold_more_than_its_share_of_streams(tmp_path):
                 openers.cancel_scope.cancel()
             await evil.host.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_thousands_of_peers_in_the_peerstore_never_evict_our_own_identity(tmp_path):
+    """py-libp2p evicts peers without addresses first, and our own entry has none: publishing then failed."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+    from multiaddr import Multiaddr
+
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
+        peerstore = node.host._host.get_peerstore()
+        for _ in range(peerstore.max_peers + 200):
+            key_pair = create_new_key_pair()
+            peer_id = ID.from_pubkey(key_pair.public_key)
+            peerstore.add_pubkey(peer_id, key_pair.public_key)
+            peerstore.add_addr(peer_id, Multiaddr("/ip4/127.0.0.1/tcp/9"), 3600)  # stored, never dialled
+        assert len(peerstore.peer_data_map) <= peerstore.max_peers
+        await node.host.publish(ANNOUNCE_TOPIC, node.membership.announcement())
+        nursery.cancel_scope.cancel()
