@@ -40,6 +40,19 @@ class ShardcastConfig:
     """A fetch fails with TransferTimeout after this long without a new verified shard."""
     keep_manifests: int = 3
     max_known_manifests: int = 64
+    max_streams_per_peer: int = 8
+    """Inbound manifest and shard streams one peer may hold open at once; more are reset and charged."""
+    max_streams: int = 64
+    """Inbound manifest and shard streams from all peers at once; more are reset (not charged: many honest peers)."""
+    unknown_requests_per_s: float = 5.0
+    unknown_request_burst: int = 40
+    """Requests for manifests or shards we do not hold, per peer: honest ones come from a few Haves that
+    raced a GC and from one query per query_interval_s; a loop past this is charged."""
+    gossip_per_s: float = 40.0
+    gossip_burst: int = 64
+    """Manifests and Haves per origin: twice what an honest sender's own Have limiter lets out."""
+    max_unknown_have_manifests: int = 16
+    """Manifests we have not seen yet whose Haves we buffer (the manifest may arrive later)."""
     single_source: bool = False
     """Fetch only from a manifest's publisher and let a publisher serve duplicates at once: the
     baseline that swarming is measured against, not a mode for real swarms."""
@@ -59,6 +72,14 @@ class ShardcastStatistics:
     bytes_fetched_by_peer: dict[str, int] = field(default_factory=dict)
     shards_rejected: dict[str, int] = field(default_factory=dict)
     """Shards we refused from peers, by reason: bad_hash, bad_size, oversize, protocol, timeout."""
+    requests_rejected: dict[str, int] = field(default_factory=dict)
+    """Inbound manifest/shard streams we refused, by reason: garbage, oversize, truncated, silent, stalled,
+    too_many_streams, unknown_flood (each charged to the peer as ``shard_<reason>``), reset (not charged)."""
+    limits_hit: dict[str, int] = field(default_factory=dict)
+    """Times a cap on what peers can make us hold was reached, by cap: streams_total, known_manifests,
+    holders, unknown_have_manifests, gossip_flood."""
+    local_corruptions: int = 0
+    """Our own stored shards that failed their hash when read: a local disk fault, charged to nobody."""
     uploads_refused_busy: int = 0
     upload_failures: int = 0
     download_failures: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -14,8 +15,10 @@ import trio
 from p2p.api import GossipMessage, Host, Stream
 from p2p.framing import recv_message, send_message
 from protocol.envelope import open_sealed, seal
-from protocol.errors import DecodeError, RemoteProtocolError, TransferTimeout, TransportError
+from protocol.errors import (DecodeError, IntegrityError, LocalStoreError, RemoteProtocolError, TransferTimeout,
+                             TransportError)
 from protocol.keys import Keypair
+from protocol.scores import FloodLimiter
 from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
                                STATUS_MISSING, Have, Manifest, ManifestRequest, ManifestResponse,
                                SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
@@ -73,6 +76,10 @@ class ShardcastService:
         self._running = False
         self._have_tokens = float(self.config.have_burst)
         self._have_refilled_at = 0.0
+        self._streams_by_peer: Counter[str] = Counter()
+        self._unknown_requests = FloodLimiter(rate_per_s=self.config.unknown_requests_per_s,
+                                              burst=self.config.unknown_request_burst)
+        self._gossip_flood = FloodLimiter(rate_per_s=self.config.gossip_per_s, burst=self.config.gossip_burst)
 
     # lifecycle
 
@@ -92,7 +99,8 @@ class ShardcastService:
     def statistics(self) -> ShardcastStatistics:
         s = self._stats
         return replace(s, bytes_served_by_peer=dict(s.bytes_served_by_peer),
-                       bytes_fetched_by_peer=dict(s.bytes_fetched_by_peer), shards_rejected=dict(s.shards_rejected))
+                       bytes_fetched_by_peer=dict(s.bytes_fetched_by_peer), shards_rejected=dict(s.shards_rejected),
+                       requests_rejected=dict(s.requests_rejected), limits_hit=dict(s.limits_hit))
 
     def _notify(self) -> None:
         """Wake every fetch waiting for news (a Have, a finished transfer)."""
@@ -163,7 +171,11 @@ class ShardcastService:
     # reading back
 
     def load_tensors(self, manifest: Manifest) -> dict:
-        """The manifest's tensors as CPU tensors sharing one buffer; re-verifies every shard (blocking)."""
+        """The manifest's tensors as CPU tensors sharing one buffer; re-verifies every shard (blocking).
+
+        LocalStoreError if a stored shard no longer matches its hash: our disk's fault, not the
+        producer's. The shard is dropped, so fetching the manifest again repairs it.
+        """
         from node.shardcast.tensors import blob_to_tensors
         if manifest.kind != KIND_TENSORS:
             raise ValueError(f"manifest {manifest.label!r} holds a file, not tensors: use export_file")
@@ -176,7 +188,7 @@ class ShardcastService:
         tmp = path.with_name(f".{path.name}.shardcast.tmp")
         with open(tmp, "wb") as f:
             for h in manifest.shard_hashes:
-                f.write(self.store.read_shard(h))
+                f.write(self._read_local(h))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -185,8 +197,16 @@ class ShardcastService:
         blob = bytearray(manifest.total_bytes)
         for i, h in enumerate(manifest.shard_hashes):
             start, end = manifest.shard_range(i)
-            blob[start:end] = self.store.read_shard(h)
+            blob[start:end] = self._read_local(h)
         return blob
+
+    def _read_local(self, sha256: bytes) -> bytes:
+        try:
+            return self.store.read_shard(sha256)
+        except IntegrityError as exc:
+            self._stats.local_corruptions += 1
+            log.warning("shardcast: %s", exc)
+            raise LocalStoreError(f"{exc}; fetch the manifest again to repair it") from None
 
     # fetching
 
@@ -269,6 +289,17 @@ class ShardcastService:
         self._stats.shards_rejected[reason] = self._stats.shards_rejected.get(reason, 0) + 1
         self._penalize(peer, reason)
 
+    def _refuse_request(self, peer: str, reason: str, detail: object, *, charge: bool = True) -> None:
+        """Count an inbound stream we refused and, when the peer is to blame, charge it ``shard_<reason>``."""
+        log.debug("shardcast: refused a stream from %s (%s): %s", peer, reason, detail)
+        rejected = self._stats.requests_rejected
+        rejected[reason] = rejected.get(reason, 0) + 1
+        if charge:
+            self._penalize(peer, f"shard_{reason}")
+
+    def _hit_limit(self, limit: str) -> None:
+        self._stats.limits_hit[limit] = self._stats.limits_hit.get(limit, 0) + 1
+
     # availability
 
     def _remember(self, signed: SignedManifest) -> None:
@@ -276,6 +307,7 @@ class ShardcastService:
         self._known.move_to_end(signed.manifest_id)
         while len(self._known) > self.config.max_known_manifests:
             self._known.popitem(last=False)
+            self._hit_limit("known_manifests")
         self._notify()
 
     def _record_holder(self, manifest_id: bytes, peer: str, indices: set[int]) -> None:
@@ -283,6 +315,8 @@ class ShardcastService:
             return
         holders = self._holders.get(manifest_id)
         if holders is None:
+            if not self._is_known(manifest_id):
+                self._make_room_for_unknown_haves()
             holders = self._holders[manifest_id] = {}
             while len(self._holders) > self.config.max_known_manifests:
                 oldest = next(iter(self._holders))
@@ -290,9 +324,22 @@ class ShardcastService:
                     self._holders.move_to_end(oldest)
                     break
                 del self._holders[oldest]
+                self._hit_limit("holders")
         if peer in holders or len(holders) < _MAX_HOLDERS_PER_MANIFEST:
             holders[peer] = indices
+        else:
+            self._hit_limit("holders")
         self._notify()
+
+    def _is_known(self, manifest_id: bytes) -> bool:
+        return manifest_id in self._known or self.store.get_manifest(manifest_id) is not None
+
+    def _make_room_for_unknown_haves(self) -> None:
+        """Haves may precede their manifest, but invented manifest ids must not evict real holders."""
+        unknown = [m for m in self._holders if not self._is_known(m) and m not in self._active_fetches]
+        if len(unknown) >= self.config.max_unknown_have_manifests:
+            self._hit_limit("unknown_have_manifests")
+            del self._holders[unknown[0]]
 
     def holders(self, manifest_id: bytes) -> dict[str, set[int]]:
         return self._holders.get(manifest_id, {})
@@ -347,14 +394,20 @@ class ShardcastService:
             log.warning("shardcast: gossip publish failed: %s", exc)
 
     def _validate_gossip(self, msg: GossipMessage) -> bool:
+        if not self._gossip_flood.allow(msg.origin, trio.current_time()):
+            self._hit_limit("gossip_flood")
+            self._penalize(msg.origin, "shard_gossip_flood")
+            return False
         try:
             signed = open_sealed(msg.data, expect=(Manifest, Have))
         except RemoteProtocolError:
             self._stats.gossip_rejected += 1
+            self._penalize(msg.origin, "shard_gossip_garbage")
             return False
         # A Have speaks for its signer only: a relayed copy must still come from that signer's publish.
         if isinstance(signed.message, Have) and signed.signer != msg.origin:
             self._stats.gossip_rejected += 1
+            self._penalize(msg.origin, "impersonation")
             return False
         return True
 
@@ -377,36 +430,88 @@ class ShardcastService:
 
     # serving
 
-    async def _serve_manifest(self, stream: Stream) -> None:
+    @contextlib.contextmanager
+    def _admit(self, peer: str):
+        """Count an inbound stream against the per-peer and total caps; yields whether it may proceed."""
+        cfg = self.config
+        if self._streams_by_peer[peer] >= cfg.max_streams_per_peer:
+            self._refuse_request(peer, "too_many_streams", f"{cfg.max_streams_per_peer} already open")
+            yield False
+            return
+        if self._streams_by_peer.total() >= cfg.max_streams:
+            self._hit_limit("streams_total")
+            self._refuse_request(peer, "busy", f"{cfg.max_streams} streams open", charge=False)
+            yield False
+            return
+        self._streams_by_peer[peer] += 1
         try:
-            with trio.fail_after(2 * self.config.inactivity_s):
-                req = await recv_message(stream, 1024, expect=ManifestRequest)
-                if req is None:
-                    return
-                signed = self.store.get_manifest(req.manifest_id) or self._known.get(req.manifest_id)
-                held = self.store.held_indices(req.manifest_id)
-                n = signed.manifest.num_shards if signed else 0
-                await send_message(stream, ManifestResponse(
-                    sealed_manifest=signed.sealed if signed else b"",
-                    bitfield=bitfield_from_indices(n, held) if held else b""))
-                await stream.close()
-        except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
-            log.debug("shardcast: manifest request from %s failed: %s", stream.remote_peer, exc)
-            await transfer.abort(stream)
+            yield True
+        finally:
+            self._streams_by_peer[peer] -= 1
+            if not self._streams_by_peer[peer]:
+                del self._streams_by_peer[peer]
+
+    def _allow_unknown(self, peer: str) -> bool:
+        """False (and the peer charged) once it asks for things we do not hold faster than any honest peer."""
+        if self._unknown_requests.allow(peer, trio.current_time()):
+            return True
+        self._refuse_request(peer, "unknown_flood", "too many requests for unknown manifests or shards")
+        return False
+
+    async def _serve_manifest(self, stream: Stream) -> None:
+        peer = stream.remote_peer
+        with self._admit(peer) as admitted:
+            if not admitted:
+                await transfer.abort(stream)
+                return
+            try:
+                req = await transfer.read_control(stream, self.config.deadlines(), 1024, ManifestRequest)
+            except transfer.Refused as exc:
+                self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
+                await transfer.abort(stream)
+                return
+            signed = self.store.get_manifest(req.manifest_id) or self._known.get(req.manifest_id)
+            held = self.store.held_indices(req.manifest_id)
+            if signed is None and not self._allow_unknown(peer):
+                await transfer.abort(stream)
+                return
+            n = signed.manifest.num_shards if signed else 0
+            try:
+                with trio.fail_after(self.config.inactivity_s):
+                    await send_message(stream, ManifestResponse(
+                        sealed_manifest=signed.sealed if signed else b"",
+                        bitfield=bitfield_from_indices(n, held) if held else b""))
+                    await stream.close()
+            except trio.TooSlowError:
+                self._refuse_request(peer, "stalled", "did not read the manifest response")
+                await transfer.abort(stream)
+            except TransportError as exc:
+                log.debug("shardcast: manifest response to %s failed: %s", peer, exc)
+                await transfer.abort(stream)
 
     async def _serve_shard(self, stream: Stream) -> None:
-        cfg = self.config
         peer = stream.remote_peer
-        try:
-            req = await transfer.read_request(stream, cfg.deadlines())
-        except (RemoteProtocolError, TransportError) as exc:
-            log.debug("shardcast: bad shard request from %s: %s", peer, exc)
-            await transfer.abort(stream)
-            return
+        with self._admit(peer) as admitted:
+            if not admitted:
+                await transfer.abort(stream)
+                return
+            try:
+                req = await transfer.read_request(stream, self.config.deadlines())
+            except transfer.Refused as exc:
+                self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
+                await transfer.abort(stream)
+                return
+            await self._answer_shard(stream, peer, req)
+
+    async def _answer_shard(self, stream: Stream, peer: str, req) -> None:
+        cfg = self.config
         signed = self.store.get_manifest(req.manifest_id)
         m = signed.manifest if signed else None
         if m is None or req.index >= m.num_shards or not self.store.has_shard(m.shard_hashes[req.index]):
-            await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
+            if self._allow_unknown(peer):
+                await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
+            else:
+                await transfer.abort(stream)
             return
         seed = self._seeds.get(req.manifest_id)
         if seed is not None and not seed.may_serve(req.index, req.fallback):
@@ -434,12 +539,19 @@ class ShardcastService:
                                                nbytes=m.shard_size(req.index), deadlines=cfg.deadlines(),
                                                on_bytes=count)
             if result.disk_corrupt:
+                # Our disk, not the receiver that told us: count it locally and charge nobody.
+                stats.local_corruptions += 1
                 log.warning("shardcast: shard %s was corrupt on disk; dropped", sha.hex()[:16])
                 self.store.drop_shard(sha)
             elif result.ok:
                 stats.shards_served += 1
                 if seed is not None:
                     seed.served[req.index] += 1
+        except TransferTimeout as exc:
+            # A receiver that stopped reading is charged; one on a slow link (below min_rate) is only counted.
+            stats.upload_failures += 1
+            self._refuse_request(peer, "stalled" if isinstance(exc, transfer.Stalled) else "slow", exc,
+                                 charge=isinstance(exc, transfer.Stalled))
         except (RemoteProtocolError, TransportError, OSError) as exc:
             stats.upload_failures += 1
             log.debug("shardcast: upload of shard %d to %s failed: %s", req.index, peer, exc)

@@ -38,10 +38,17 @@ class Deadlines:
         return self.base_s + nbytes / self.min_rate_bytes_per_s
 
 
+class Stalled(TransferTimeout):
+    """The peer made no progress for a whole inactivity deadline (unlike a merely slow transfer)."""
+
+
 async def _step(deadlines: Deadlines, awaitable):
     """One read or write, bounded by the inactivity deadline."""
-    with trio.fail_after(deadlines.inactivity_s):
-        return await awaitable
+    try:
+        with trio.fail_after(deadlines.inactivity_s):
+            return await awaitable
+    except trio.TooSlowError:
+        raise Stalled(f"no progress for {deadlines.inactivity_s} s") from None
 
 
 async def abort(stream: Stream) -> None:
@@ -105,7 +112,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
         return STATUS_OK
     except trio.TooSlowError:
         await abort(stream)
-        raise TransferTimeout(f"shard {index} stalled past its deadline") from None
+        raise TransferTimeout(f"shard {index} slower than its overall deadline") from None
     except BaseException:
         if not nacked:
             await abort(stream)
@@ -124,15 +131,56 @@ async def _send_nack(stream: Stream, manifest_id: bytes, index: int, reason: str
             pass
 
 
-async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
-    """The requester's ShardRequest; StreamClosed, DecodeError or TransferTimeout otherwise."""
+class Refused(Exception):
+    """An inbound request we refuse; ``reason`` names it in statistics, ``charge`` says whether the peer is to blame."""
+
+    def __init__(self, reason: str, detail: str, *, charge: bool = True):
+        super().__init__(detail)
+        self.reason = reason
+        self.charge = charge
+
+
+class _Watched:
+    """A read-only view of a stream that remembers whether the peer half-closed (EOF) or not."""
+
+    def __init__(self, stream: Stream):
+        self._stream = stream
+        self.eof = False
+
+    async def read(self, max_bytes: int) -> bytes:
+        data = await self._stream.read(max_bytes)
+        self.eof = not data
+        return data
+
+
+async def read_control(stream: Stream, deadlines: Deadlines, max_bytes: int, expect: type):
+    """The first control message on an inbound stream, or Refused naming what the peer did instead.
+
+    A half-close before a whole request is deliberate (honest peers always send one first), so it is
+    charged; a reset is not, since a peer that cancels a query resets its stream.
+    """
+    watched = _Watched(stream)
     try:
-        req = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardRequest))
+        with trio.fail_after(deadlines.inactivity_s):
+            msg = await recv_message(watched, max_bytes, expect=expect)
     except trio.TooSlowError:
-        raise TransferTimeout("no shard request") from None
-    if req is None:
-        raise StreamClosed("stream ended before the shard request")
-    return req
+        raise Refused("silent", f"no request within {deadlines.inactivity_s} s") from None
+    except OversizeError as exc:
+        raise Refused("oversize", str(exc)) from None
+    except RemoteProtocolError as exc:
+        raise Refused("garbage", str(exc)) from None
+    except StreamClosed as exc:
+        if watched.eof:
+            raise Refused("truncated", str(exc)) from None
+        raise Refused("reset", str(exc), charge=False) from None
+    if msg is None:
+        raise Refused("truncated", "stream ended before the request")
+    return msg
+
+
+async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
+    """The requester's ShardRequest; Refused otherwise."""
+    return await read_control(stream, deadlines, CONTROL_MAX_BYTES, ShardRequest)
 
 
 async def refuse(stream: Stream, req: ShardRequest, status: str, deadlines: Deadlines) -> None:
@@ -194,7 +242,7 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
         return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=corrupt)
     except trio.TooSlowError:
         await abort(stream)
-        raise TransferTimeout(f"shard {req.index}: receiver stalled") from None
-    except (RemoteProtocolError, StreamClosed, OSError):
+        raise TransferTimeout(f"shard {req.index}: slower than its overall deadline") from None
+    except (RemoteProtocolError, StreamClosed, OSError, Stalled):
         await abort(stream)
         raise
