@@ -32,7 +32,9 @@ class ShardcastConfig:
     """Haves leave at most max_haves_per_s after a burst of have_burst, so announcements never crowd out
     the heartbeats and task messages that share the gossip queues."""
     busy_retry_s: float = 0.25
-    """After a holder answers "busy", skip it for this shard this long (and then ask a seeder with fallback)."""
+    """After a holder answers "busy" (its upload slots are full), ask it for nothing for this long."""
+    reseed_after_s: float = 3.0
+    """A seeding publisher sends a shard again only if, this long after the first copy, nobody announces it."""
     failure_backoff_s: float = 5.0
     max_failures_per_peer: int = 3
     query_interval_s: float = 2.0
@@ -57,9 +59,16 @@ class ShardcastConfig:
     """Fetch only from a manifest's publisher and let a publisher serve duplicates at once: the
     baseline that swarming is measured against, not a mode for real swarms."""
 
-    def deadlines(self) -> transfer.Deadlines:
+    def deadlines(self, concurrent: int = 1) -> transfer.Deadlines:
+        """Deadlines for one of ``concurrent`` transfers that share the link's min_rate_bytes_per_s."""
         return transfer.Deadlines(inactivity_s=self.inactivity_s, base_s=self.base_deadline_s,
-                                  min_rate_bytes_per_s=self.min_rate_bytes_per_s)
+                                  min_rate_bytes_per_s=self.min_rate_bytes_per_s / max(1, concurrent))
+
+    def download_deadlines(self) -> transfer.Deadlines:
+        return self.deadlines(self.max_downloads)
+
+    def upload_deadlines(self) -> transfer.Deadlines:
+        return self.deadlines(self.max_uploads)
 
 
 @dataclass(kw_only=True)
@@ -81,6 +90,8 @@ class ShardcastStatistics:
     local_corruptions: int = 0
     """Our own stored shards that failed their hash when read: a local disk fault, charged to nobody."""
     uploads_refused_busy: int = 0
+    uploads_refused_seeded: int = 0
+    """Requests a seeding publisher sent to the swarm instead (it already sent that shard out)."""
     upload_failures: int = 0
     download_failures: int = 0
     gossip_rejected: int = 0

@@ -1,4 +1,4 @@
-"""One multi-source fetch: rarest shard first, least-loaded non-publisher holder first, re-fetch on failure."""
+"""One multi-source fetch: rarest shard first, the holder that should finish it soonest, re-fetch on failure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import trio
 
 from protocol.errors import IntegrityError, OversizeError, RemoteProtocolError, TransferTimeout, TransportError
-from protocol.manifest import STATUS_BUSY, STATUS_OK, SignedManifest
+from protocol.manifest import STATUS_BUSY, STATUS_OK, STATUS_SEEDED, SignedManifest
 
 from node.shardcast import transfer
 
@@ -45,7 +45,8 @@ class FetchState:
         self.bytes_done = self.manifest.total_bytes - sum(self.manifest.shard_size(i) for i in self.missing)
         self.bytes_new = 0
         self.inflight: dict[int, str] = {}
-        self.refused_at: dict[tuple[int, str], float] = {}
+        self.busy_at: dict[str, float] = {}
+        self.seeded_at: dict[int, float] = {}
         self.failed_at: dict[tuple[int, str], float] = {}
         self.peer_failures: dict[str, int] = {}
         self.banned: set[str] = set()
@@ -83,7 +84,8 @@ class FetchState:
                     # Holders we have not heard of (joined before us, gossip lost): ask around.
                     last_query_at = now
                     nursery.start_soon(svc.query_peers, self.mid)
-                retry_times = [t + cfg.busy_retry_s for t in self.refused_at.values()]
+                retry_times = [t + cfg.busy_retry_s for t in self.busy_at.values()]
+                retry_times += [t + cfg.reseed_after_s for t in self.seeded_at.values()]
                 retry_times += [t + cfg.failure_backoff_s for t in self.failed_at.values()]
                 wake_at = min([wake_at, *[t for t in retry_times if t > now]])
                 with trio.move_on_at(wake_at):
@@ -101,10 +103,12 @@ class FetchState:
                 continue
             if self.peer_failures.get(peer, 0) >= cfg.max_failures_per_peer:
                 continue
-            if now - self.refused_at.get((index, peer), -float("inf")) < cfg.busy_retry_s:
+            if now - self.busy_at.get(peer, -float("inf")) < cfg.busy_retry_s:
                 continue
             if now - self.failed_at.get((index, peer), -float("inf")) < cfg.failure_backoff_s:
                 continue
+            if peer == self.publisher and now - self.seeded_at.get(index, -float("inf")) < cfg.reseed_after_s:
+                continue  # the publisher sent it out already: wait for the Have of whoever got it
             out.append(peer)
         return out
 
@@ -125,10 +129,9 @@ class FetchState:
         others = [p for p in peers if p != self.publisher]
         # The publisher's upload must not grow with the number of receivers: it is the last resort.
         pool = others or peers
-        load = self.svc._inflight_by_peer
-        peer = min(pool, key=lambda p: (load[p], random.random()))
-        # In single-source mode every request is a last resort: the publisher need not hold back duplicates.
-        fallback = self.svc.config.single_source or (not others and (index, peer) in self.refused_at)
+        peer = min(pool, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
+        # Fallback tells a seeding publisher that nobody else can serve us this shard now.
+        fallback = self.svc.config.single_source or not others
         return index, peer, fallback
 
     async def _fetch_one(self, index: int, peer: str, fallback: bool) -> None:
@@ -142,18 +145,22 @@ class FetchState:
                 try:
                     with trio.fail_after(cfg.stream_open_timeout_s):
                         stream = await svc.host.open_stream(peer, transfer.SHARD_PROTOCOL)
+                    started = trio.current_time()
                     status = await transfer.fetch_shard(
                         stream, svc.store, manifest_id=self.mid, index=index,
                         sha256=self.manifest.shard_hashes[index], nbytes=size,
-                        deadlines=cfg.deadlines(), fallback=fallback)
+                        deadlines=cfg.download_deadlines(), fallback=fallback)
+                    if status == STATUS_OK:
+                        svc.record_rate(peer, size, trio.current_time() - started)
                 finally:
                     stats.downloads_active -= 1
-        except (RemoteProtocolError, TransferTimeout) as exc:
+        except (RemoteProtocolError, transfer.Stalled) as exc:
             # Bad bytes or a stall: this holder is done for this fetch, and it costs it score.
             svc._reject(peer, reject_reason(exc), exc)
             self.banned.add(peer)
             stats.download_failures += 1
         except (TransportError, trio.TooSlowError) as exc:
+            # Unreachable, closed, or merely slower than the overall deadline: retry elsewhere, charge nobody.
             log.debug("shardcast: shard %d from %s failed: %s", index, peer, exc)
             self.failed_at[(index, peer)] = trio.current_time()
             self.peer_failures[peer] = self.peer_failures.get(peer, 0) + 1
@@ -167,7 +174,9 @@ class FetchState:
         if status == STATUS_OK:
             self._done(index, peer, size)
         elif status == STATUS_BUSY:
-            self.refused_at[(index, peer)] = trio.current_time()
+            self.busy_at[peer] = trio.current_time()
+        elif status == STATUS_SEEDED:
+            self.seeded_at[index] = trio.current_time()
         elif status is not None:
             svc.forget_holding(self.mid, peer, index)
             self.failed_at[(index, peer)] = trio.current_time()
@@ -196,5 +205,5 @@ def reject_reason(exc: BaseException) -> str:
     if isinstance(exc, IntegrityError):
         return "bad_hash" if "hash" in str(exc) else "bad_size"
     if isinstance(exc, TransferTimeout):
-        return "timeout"
+        return "timeout"  # only a Stalled holder is charged: no bytes for a whole inactivity deadline
     return "protocol"

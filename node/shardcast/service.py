@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,13 +20,14 @@ from protocol.errors import (DecodeError, IntegrityError, LocalStoreError, Remot
 from protocol.keys import Keypair
 from protocol.scores import FloodLimiter
 from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
-                               STATUS_MISSING, Have, Manifest, ManifestRequest, ManifestResponse,
+                               STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Have, Manifest, ManifestRequest, ManifestResponse,
                                SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
                                make_manifest, open_manifest, seal_manifest)
 
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
+from node.shardcast.seed import Seed
 from node.shardcast.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -35,19 +36,6 @@ TOPIC = "shoal/shards/1"
 MANIFEST_PROTOCOL = "/shoal/manifest/1"
 _RESPONSE_MAX_BYTES = MAX_MANIFEST_BYTES + 64 * 1024
 _MAX_HOLDERS_PER_MANIFEST = 4096
-
-
-@dataclass
-class _Seed:
-    """A manifest this node published: serve each shard once before serving duplicates."""
-
-    served: list[int]
-    inflight: set[int] = field(default_factory=set)
-
-    def may_serve(self, index: int, fallback: bool) -> bool:
-        if index in self.inflight:
-            return False
-        return self.served[index] == 0 or fallback
 
 
 class ShardcastService:
@@ -64,7 +52,7 @@ class ShardcastService:
         self._stats = ShardcastStatistics()
         self._known: OrderedDict[bytes, SignedManifest] = OrderedDict()
         self._holders: OrderedDict[bytes, dict[str, set[int]]] = OrderedDict()
-        self._seeds: dict[bytes, _Seed] = {}
+        self._seeds: dict[bytes, Seed] = {}
         self._active_fetches: Counter[bytes] = Counter()
         self._inflight_by_peer: Counter[str] = Counter()
         self._dirty: set[bytes] = set()
@@ -77,6 +65,7 @@ class ShardcastService:
         self._have_tokens = float(self.config.have_burst)
         self._have_refilled_at = 0.0
         self._streams_by_peer: Counter[str] = Counter()
+        self._rate_by_peer: dict[str, float] = {}
         self._unknown_requests = FloodLimiter(rate_per_s=self.config.unknown_requests_per_s,
                                               burst=self.config.unknown_request_burst)
         self._gossip_flood = FloodLimiter(rate_per_s=self.config.gossip_per_s, burst=self.config.gossip_burst)
@@ -161,7 +150,8 @@ class ShardcastService:
             signed = await trio.to_thread.run_sync(work)
         if not self.config.single_source:
             # Nobody else will ever serve in single-source mode: serve-once would only stall receivers.
-            self._seeds[signed.manifest_id] = _Seed(served=[0] * signed.manifest.num_shards)
+            self._seeds[signed.manifest_id] = Seed(num_shards=signed.manifest.num_shards,
+                                                   reseed_after_s=self.config.reseed_after_s)
         self._remember(signed)
         await self._gossip(signed.sealed)
         self._mark_dirty(signed.manifest_id)
@@ -341,6 +331,27 @@ class ShardcastService:
             self._hit_limit("unknown_have_manifests")
             del self._holders[unknown[0]]
 
+    def record_rate(self, peer: str, nbytes: int, seconds: float) -> None:
+        """Fold one verified shard's download rate from ``peer`` into its moving average."""
+        rate = nbytes / max(seconds, 1e-3)
+        old = self._rate_by_peer.get(peer)
+        self._rate_by_peer[peer] = rate if old is None else 0.7 * old + 0.3 * rate
+        while len(self._rate_by_peer) > 4 * self.config.max_known_manifests + 256:
+            del self._rate_by_peer[next(iter(self._rate_by_peer))]
+
+    def expected_finish_s(self, peer: str) -> float:
+        """How soon one more shard from ``peer`` should arrive, relative to other peers: its queue over its rate.
+
+        A peer not measured yet counts as fast as the fastest one, so every holder gets tried.
+        """
+        fastest = max(self._rate_by_peer.values(), default=1.0)
+        return (self._inflight_by_peer[peer] + 1) / self._rate_by_peer.get(peer, fastest)
+
+    def _others_hold(self, manifest_id: bytes, index: int, requester: str) -> bool:
+        connected = set(self.host.connected_peers())
+        return any(index in held for peer, held in self.holders(manifest_id).items()
+                   if peer != requester and peer in connected)
+
     def holders(self, manifest_id: bytes) -> dict[str, set[int]]:
         return self._holders.get(manifest_id, {})
 
@@ -514,9 +525,10 @@ class ShardcastService:
                 await transfer.abort(stream)
             return
         seed = self._seeds.get(req.manifest_id)
-        if seed is not None and not seed.may_serve(req.index, req.fallback):
-            self._stats.uploads_refused_busy += 1
-            await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
+        if seed is not None and seed.decide(req.index, fallback=req.fallback, now=trio.current_time(),
+                                            others_hold=self._others_hold(req.manifest_id, req.index, peer)) != STATUS_OK:
+            self._stats.uploads_refused_seeded += 1
+            await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
             return
         try:
             self._upload_limiter.acquire_nowait()
@@ -527,8 +539,8 @@ class ShardcastService:
         sha = m.shard_hashes[req.index]
         stats = self._stats
         stats.uploads_active += 1
-        if seed is not None:
-            seed.inflight.add(req.index)
+        started = seed.begin(req.index, trio.current_time()) if seed is not None else 0.0
+        acked = False
 
         def count(nbytes: int) -> None:
             stats.bytes_served += nbytes
@@ -536,7 +548,7 @@ class ShardcastService:
 
         try:
             result = await transfer.send_shard(stream, req, path=self.store.shard_path(sha), sha256=sha,
-                                               nbytes=m.shard_size(req.index), deadlines=cfg.deadlines(),
+                                               nbytes=m.shard_size(req.index), deadlines=cfg.upload_deadlines(),
                                                on_bytes=count)
             if result.disk_corrupt:
                 # Our disk, not the receiver that told us: count it locally and charge nobody.
@@ -545,8 +557,7 @@ class ShardcastService:
                 self.store.drop_shard(sha)
             elif result.ok:
                 stats.shards_served += 1
-                if seed is not None:
-                    seed.served[req.index] += 1
+                acked = True
         except TransferTimeout as exc:
             # A receiver that stopped reading is charged; one on a slow link (below min_rate) is only counted.
             stats.upload_failures += 1
@@ -559,7 +570,7 @@ class ShardcastService:
             stats.uploads_active -= 1
             self._upload_limiter.release()
             if seed is not None:
-                seed.inflight.discard(req.index)
+                seed.end(req.index, started, trio.current_time(), ok=acked)
 
     # housekeeping
 
