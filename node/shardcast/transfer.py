@@ -23,6 +23,8 @@ from node.shardcast.store import ShardStore
 
 SHARD_PROTOCOL = "/shoal/shard/1"
 CHUNK_BYTES = 1 << 20
+WRITE_BATCH_BYTES = 1 << 20
+"""Bytes handed to the hashing and writing thread at once (one thread hop each); chosen by measurement."""
 CONTROL_MAX_BYTES = 4096
 """Request, header and ack are ~100 bytes; anything near this cap is junk."""
 CLEANUP_S = 1.0
@@ -86,11 +88,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
                 raise IntegrityError(f"header promises {header.nbytes} bytes / another hash; "
                                      f"the manifest says {nbytes} bytes")
             writer = store.shard_writer(sha256, nbytes)
-            while writer.received_bytes < nbytes:
-                chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - writer.received_bytes)))
-                if not chunk:
-                    raise IntegrityError(f"shard ended after {writer.received_bytes} of {nbytes} bytes")
-                writer.write(chunk)
+            await _receive_body(stream, writer, nbytes, deadlines)
             if await _step(deadlines, stream.read(1)):
                 raise OversizeError(f"holder sent more than the announced {nbytes} bytes")
             try:
@@ -120,6 +118,54 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
     finally:
         if writer is not None:
             writer.abort()
+
+
+async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadlines) -> None:
+    """Read a shard's bytes on the event loop while a worker thread hashes and writes the batch before.
+
+    hashlib and file writes release the GIL on large buffers, so the thread runs beside the loop
+    that decrypts and demultiplexes the stream; the channel holds one batch, bounding memory.
+    """
+    failure: list[Exception] = []
+    send, receive = trio.open_memory_channel[bytearray](1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_write_batches, receive, writer, failure)
+        async with send:
+            try:
+                await _read_batches(stream, send, nbytes, deadlines, failure)
+            except Exception as exc:  # re-raised below as itself, not inside the nursery's exception group
+                failure.append(exc)
+    if failure:
+        raise failure[0]
+
+
+async def _read_batches(stream: Stream, send: trio.MemorySendChannel[bytearray], nbytes: int,
+                        deadlines: Deadlines, failure: list) -> None:
+    received = 0
+    batch = bytearray()
+    while received < nbytes and not failure:
+        chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - received)))
+        if not chunk:
+            raise IntegrityError(f"shard ended after {received} of {nbytes} bytes")
+        batch += chunk
+        received += len(chunk)
+        if len(batch) >= WRITE_BATCH_BYTES:
+            await send.send(batch)
+            batch = bytearray()
+    if batch and not failure:
+        await send.send(batch)
+
+
+async def _write_batches(receive: trio.MemoryReceiveChannel[bytearray], writer, failure: list) -> None:
+    # Errors are handed back, not raised, so the caller sees OSError itself rather than an exception group.
+    async with receive:
+        async for batch in receive:
+            if failure:
+                continue
+            try:
+                await trio.to_thread.run_sync(writer.write, batch)
+            except OSError as exc:
+                failure.append(exc)
 
 
 async def _send_nack(stream: Stream, manifest_id: bytes, index: int, reason: str) -> None:
