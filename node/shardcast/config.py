@@ -35,6 +35,9 @@ class ShardcastConfig:
     """After a holder answers "busy" (its upload slots are full), ask it for nothing for this long."""
     reseed_after_s: float = 3.0
     """A seeding publisher sends a shard again only if, this long after the first copy, nobody announces it."""
+    hedge_after_s: float = 1.0
+    """With nothing else to ask for, a shard in flight longer than this (and than 3x the median shard)
+    is asked of a second holder too: one slow link must not hold up a receiver's last shards."""
     failure_backoff_s: float = 5.0
     max_failures_per_peer: int = 3
     query_interval_s: float = 2.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ class FetchState:
         self.bytes_done = self.manifest.total_bytes - sum(self.manifest.shard_size(i) for i in self.missing)
         self.bytes_new = 0
         self.inflight: dict[int, str] = {}
+        self.begun: dict[int, float] = {}
+        self.hedged: dict[int, str] = {}
+        """Shards also asked of a second holder because the first is overdue; the first to verify wins."""
+        self.scopes: dict[tuple[int, str], trio.CancelScope] = {}
+        self.shard_s: list[float] = []
         self.busy_at: dict[str, float] = {}
         self.seeded_at: dict[int, float] = {}
         self.failed_at: dict[tuple[int, str], float] = {}
@@ -70,14 +76,18 @@ class FetchState:
                     raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
                                           f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
                 changed = svc._changed
-                while len(self.inflight) < cfg.max_downloads:
-                    pick = self._pick(now)
-                    if pick is None:
-                        break
+                while len(self.inflight) < cfg.max_downloads and (pick := self._pick(now)) is not None:
                     index, peer, fallback = pick
                     self.inflight[index] = peer
+                    self.begun[index] = now
                     svc._inflight_by_peer[peer] += 1
-                    nursery.start_soon(self._fetch_one, index, peer, fallback)
+                    nursery.start_soon(self._fetch_one, index, peer, fallback, False)
+                # Hedges take no download slot: the overdue transfers they back up hold those, mostly idle.
+                while len(self.hedged) < cfg.max_downloads and (pick := self._pick_hedge(now)) is not None:
+                    index, peer, fallback = pick
+                    self.hedged[index] = peer
+                    svc._inflight_by_peer[peer] += 1
+                    nursery.start_soon(self._fetch_one, index, peer, fallback, True)
                 wake_at = now + cfg.query_interval_s
                 starved = len(self.inflight) < min(cfg.max_downloads, len(self.missing))
                 if starved and now - last_query_at >= cfg.query_interval_s:
@@ -87,6 +97,7 @@ class FetchState:
                 retry_times = [t + cfg.busy_retry_s for t in self.busy_at.values()]
                 retry_times += [t + cfg.reseed_after_s for t in self.seeded_at.values()]
                 retry_times += [t + cfg.failure_backoff_s for t in self.failed_at.values()]
+                retry_times += [t + self._hedge_after_s() for i, t in self.begun.items() if i not in self.hedged]
                 wake_at = min([wake_at, *[t for t in retry_times if t > now]])
                 with trio.move_on_at(wake_at):
                     await changed.wait()
@@ -129,18 +140,60 @@ class FetchState:
         others = [p for p in peers if p != self.publisher]
         # The publisher's upload must not grow with the number of receivers: it is the last resort.
         pool = others or peers
+        # A holder with an overdue transfer to us is slow (or hostile): ask it only if nobody else has the shard.
+        overdue = self._overdue_peers(now)
+        pool = [p for p in pool if p not in overdue] or pool
         peer = min(pool, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
         # Fallback tells a seeding publisher that nobody else can serve us this shard now.
         fallback = self.svc.config.single_source or not others
         return index, peer, fallback
 
-    async def _fetch_one(self, index: int, peer: str, fallback: bool) -> None:
+    def _hedge_after_s(self) -> float:
+        """A shard running this long is overdue: three times the median shard so far, at least hedge_after_s."""
+        typical = sorted(self.shard_s)[len(self.shard_s) // 2] if self.shard_s else 0.0
+        return max(self.svc.config.hedge_after_s, 3.0 * typical)
+
+    def _overdue_peers(self, now: float) -> set[str]:
+        limit = self._hedge_after_s()
+        return {self.inflight[i] for i, begun in self.begun.items() if now - begun > limit}
+
+    def _pick_hedge(self, now: float) -> tuple[int, str, bool] | None:
+        """With nothing new to ask for, the overdue shard to ask a second holder for, and whom (endgame)."""
+        best = None
+        for index, begun in self.begun.items():
+            if index in self.hedged or now - begun < self._hedge_after_s():
+                continue
+            peers = [p for p in self._candidates(index, now) if p != self.inflight[index]]
+            if peers and (best is None or begun < best[0]):
+                best = (begun, index, peers)
+        if best is None:
+            return None
+        _, index, peers = best
+        others = [p for p in peers if p != self.publisher]
+        peer = min(others or peers, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
+        return index, peer, not others
+
+    async def _fetch_one(self, index: int, peer: str, fallback: bool, hedge: bool = False) -> None:
+        with trio.CancelScope() as scope:
+            self.scopes[(index, peer)] = scope
+            try:
+                status = await self._fetch_from(index, peer, fallback, hedge)
+            finally:
+                del self.scopes[(index, peer)]
+        if scope.cancelled_caught:
+            return
+        if status == STATUS_OK:
+            twin = self.hedged.get(index) if not hedge else self.inflight.get(index)
+            if twin is not None and (index, twin) in self.scopes:
+                self.scopes[(index, twin)].cancel()  # the slower copy of a shard we now hold
+
+    async def _fetch_from(self, index: int, peer: str, fallback: bool, hedge: bool) -> str | None:
         svc, cfg = self.svc, self.svc.config
         stats = svc._stats
         size = self.manifest.shard_size(index)
         status = None
         try:
-            async with svc._download_limiter:
+            async with contextlib.nullcontext() if hedge else svc._download_limiter:
                 stats.downloads_active += 1
                 try:
                     with trio.fail_after(cfg.stream_open_timeout_s):
@@ -166,13 +219,20 @@ class FetchState:
             self.peer_failures[peer] = self.peer_failures.get(peer, 0) + 1
             stats.download_failures += 1
         finally:
-            del self.inflight[index]
+            if hedge:
+                del self.hedged[index]
+            else:
+                del self.inflight[index]
+                began = self.begun.pop(index)
+                if status == STATUS_OK:
+                    self.shard_s.append(trio.current_time() - began)
             svc._inflight_by_peer[peer] -= 1
             if not svc._inflight_by_peer[peer]:
                 del svc._inflight_by_peer[peer]
             svc._notify()
         if status == STATUS_OK:
-            self._done(index, peer, size)
+            if index in self.missing:
+                self._done(index, peer, size)
         elif status == STATUS_BUSY:
             self.busy_at[peer] = trio.current_time()
         elif status == STATUS_SEEDED:
@@ -180,6 +240,7 @@ class FetchState:
         elif status is not None:
             svc.forget_holding(self.mid, peer, index)
             self.failed_at[(index, peer)] = trio.current_time()
+        return status
 
     def _done(self, index: int, peer: str, size: int) -> None:
         svc = self.svc
