@@ -37,7 +37,7 @@ from scripts.local_swarm import Swarm, netlab_interrupts, stop  # noqa: E402
 
 MiB = 1 << 20
 SEE_ALL_TIMEOUT_S = 120.0
-POLL_S = 0.2
+POLL_S = 0.5
 CALL_TIMEOUT_S = 30.0
 PUBLISH_TIMEOUT_S = 600.0
 UPLOAD_TARGET = 1.1
