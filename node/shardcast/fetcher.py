@@ -49,7 +49,8 @@ class FetchState:
         self.begun: dict[int, float] = {}
         self.hedged: dict[int, str] = {}
         """Shards also asked of a second holder because the first is overdue; the first to verify wins."""
-        self.scopes: dict[tuple[int, str], trio.CancelScope] = {}
+        self.scopes: dict[tuple[int, bool], trio.CancelScope] = {}
+        """(shard, is_hedge) -> the transfer's scope, so the copy that verifies first can cancel its twin."""
         self.shard_s: list[float] = []
         self.busy_at: dict[str, float] = {}
         self.seeded_at: dict[int, float] = {}
@@ -126,7 +127,7 @@ class FetchState:
     def _pick(self, now: float) -> tuple[int, str, bool] | None:
         """(shard, holder, fallback) to fetch next, or None if nothing can start now."""
         best = None
-        for index in self.missing - self.inflight.keys():
+        for index in self.missing - self.inflight.keys() - self.hedged.keys():
             peers = self._candidates(index, now)
             if not peers:
                 continue
@@ -175,17 +176,15 @@ class FetchState:
 
     async def _fetch_one(self, index: int, peer: str, fallback: bool, hedge: bool = False) -> None:
         with trio.CancelScope() as scope:
-            self.scopes[(index, peer)] = scope
+            self.scopes[(index, hedge)] = scope
             try:
                 status = await self._fetch_from(index, peer, fallback, hedge)
             finally:
-                del self.scopes[(index, peer)]
+                del self.scopes[(index, hedge)]
         if scope.cancelled_caught:
             return
-        if status == STATUS_OK:
-            twin = self.hedged.get(index) if not hedge else self.inflight.get(index)
-            if twin is not None and (index, twin) in self.scopes:
-                self.scopes[(index, twin)].cancel()  # the slower copy of a shard we now hold
+        if status == STATUS_OK and (twin := self.scopes.get((index, not hedge))) is not None:
+            twin.cancel()  # the slower copy of a shard we now hold
 
     async def _fetch_from(self, index: int, peer: str, fallback: bool, hedge: bool) -> str | None:
         svc, cfg = self.svc, self.svc.config
