@@ -78,6 +78,9 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         except (ShoalError, OSError, ValueError) as exc:
             job.state, job.error = "failed", str(exc)
             log.warning("fetch %s failed: %s", job.manifest_id, exc)
+        except Exception as exc:  # the one supervision point of a fetch job: a bug here must not end the daemon
+            job.state, job.error = "failed", f"internal error: {exc!r}"
+            log.exception("fetch %s failed", job.manifest_id)
         job.seconds = round(trio.current_time() - started, 3)
 
     async def fetch(request: Request) -> Response:
