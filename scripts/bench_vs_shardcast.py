@@ -5,7 +5,10 @@ arm follows its README: an origin server on the publisher's host (the library's 
 since its CLI cannot broadcast), `shardcast-middle` on the first few receivers' hosts with the
 origin upstream, and `shardcast-client` on the rest, pointed at the middle nodes. Its downloader
 first fetches a `data1.bin` from every server to rate it, so each server's directory gets one.
-A client that finds no version yet (a middle node has not polled the origin) is started again.
+A client that finds no version yet (a middle node has not polled the origin) is started again, and
+so is one that fell into shardcast's "count unknown" discovery: when a middle node fails one poll
+of the single-threaded origin it deletes its distribution file, a client that reads it then asks for
+ten shards that do not exist and retries them for ever.
 Every process gets a private /tmp (a bind mount inside its `ip netns exec` mount namespace): the
 downloader writes its rating probe to the fixed path /tmp/dummy.bin, which hosts of one machine
 would otherwise share.
@@ -124,6 +127,7 @@ def run_shardcast(lab, *, receivers: int, source: tuple[Path, str], shard_bytes:
         say(f"shardcast: broadcast {version}; {middles} middle nodes, {receivers - middles} clients")
         servers = ",".join(url[h.name] for h in hosts[1:middles + 1])
         clients = {}
+        clients_log_at: dict[int, int] = {}
 
         def client_argv(i: int) -> list[str]:
             out_dir = work_dir / f"client{i}"
@@ -132,6 +136,7 @@ def run_shardcast(lab, *, receivers: int, source: tuple[Path, str], shard_bytes:
 
         for i, host in enumerate(hosts[middles + 1:], start=middles + 1):
             clients[i] = (host, start(host, client_argv(i), f"client{i}"))
+            clients_log_at[i] = 0
         done_at: dict[int, float] = {}
         restarts = 0
         deadline = t0 + timeout_s
@@ -143,14 +148,21 @@ def run_shardcast(lab, *, receivers: int, source: tuple[Path, str], shard_bytes:
                 if i not in done_at and "Finished downloading all" in log.read_text(errors="replace"):
                     done_at[i] = now - t0
             for i, (host, proc) in list(clients.items()):
-                if i in done_at or proc.poll() is None:
+                if i in done_at:
                     continue
+                if proc.poll() is None:
+                    log_path = work_dir / f"client{i}.log"
+                    if "count unknown" not in log_path.read_text(errors="replace")[clients_log_at[i]:]:
+                        continue
+                    stop([proc], grace_s=1.0)
+                    proc.returncode = 1
                 if proc.returncode == 0:
                     done_at[i] = now - t0
-                else:  # no version on the middle nodes yet
-                    restarts += 1
-                    time.sleep(CLIENT_RETRY_S)
-                    clients[i] = (host, start(host, client_argv(i), f"client{i}"))
+                    continue
+                restarts += 1
+                clients_log_at[i] = (work_dir / f"client{i}.log").stat().st_size
+                time.sleep(CLIENT_RETRY_S)
+                clients[i] = (host, start(host, client_argv(i), f"client{i}"))
             time.sleep(0.1)
         after = host_bytes(lab)
     finally:
