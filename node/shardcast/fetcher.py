@@ -56,6 +56,7 @@ class FetchState:
         self.seeded_at: dict[int, float] = {}
         self.failed_at: dict[tuple[int, str], float] = {}
         self.peer_failures: dict[str, int] = {}
+        self.peer_failed_at: dict[str, float] = {}
         self.banned: set[str] = set()
         self.sources: set[str] = set()
         self.started_at = trio.current_time()
@@ -70,12 +71,13 @@ class FetchState:
         if len(self.missing) < self.manifest.num_shards:
             svc._mark_dirty(self.mid)
         last_query_at = -float("inf")
+        stalled = False
         async with trio.open_nursery() as nursery:
             while self.missing:
                 now = trio.current_time()
                 if now - self.last_progress_at > cfg.stall_timeout_s:
-                    raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
-                                          f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
+                    stalled = True  # raised below, outside the nursery, as itself rather than in a group
+                    break
                 changed = svc._changed
                 while len(self.inflight) < cfg.max_downloads and (pick := self._pick(now)) is not None:
                     index, peer, fallback = pick
@@ -103,6 +105,9 @@ class FetchState:
                 with trio.move_on_at(wake_at):
                     await changed.wait()
             nursery.cancel_scope.cancel()
+        if stalled:
+            raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
+                                  f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
 
     def _candidates(self, index: int, now: float) -> list[str]:
         cfg = self.svc.config
@@ -113,8 +118,10 @@ class FetchState:
                 continue
             if index not in held or peer not in connected or peer in self.banned:
                 continue
-            if self.peer_failures.get(peer, 0) >= cfg.max_failures_per_peer:
-                continue
+            failures = self.peer_failures.get(peer, 0)
+            if failures >= cfg.max_failures_per_peer and (
+                    now - self.peer_failed_at.get(peer, -float("inf")) < failures * cfg.failure_backoff_s):
+                continue  # a holder that keeps failing rests longer each time, but is never written off
             if now - self.busy_at.get(peer, -float("inf")) < cfg.busy_retry_s:
                 continue
             if now - self.failed_at.get((index, peer), -float("inf")) < cfg.failure_backoff_s:
@@ -216,6 +223,7 @@ class FetchState:
             log.debug("shardcast: shard %d from %s failed: %s", index, peer, exc)
             self.failed_at[(index, peer)] = trio.current_time()
             self.peer_failures[peer] = self.peer_failures.get(peer, 0) + 1
+            self.peer_failed_at[peer] = trio.current_time()
             stats.download_failures += 1
         finally:
             if hedge:

@@ -42,13 +42,19 @@ class Seed:
         first = self.sent[index] == 0 and index not in self.inflight
         if first:
             return STATUS_OK
-        if not fallback or others_hold:
+        if not fallback:
             return STATUS_SEEDED
         starts = self.inflight.get(index)
         if starts:
             # The newest copy must be overdue too, or every impatient receiver would get one.
-            return STATUS_OK if now - max(starts) > self.slow_after_s() else STATUS_SEEDED
-        return STATUS_OK if now - self.done_at[index] > self.reseed_after_s else STATUS_SEEDED
+            overdue = now - max(starts) > self.slow_after_s()
+            return STATUS_OK if overdue and not others_hold else STATUS_SEEDED
+        since_s = now - self.done_at[index]
+        # Holders we know of may be unreachable from the asker (failed, overloaded): past a longer wait,
+        # its word that it has no other source wins, so no shard can be stranded (one copy per wait at most).
+        if others_hold:
+            return STATUS_OK if since_s > 4 * self.reseed_after_s else STATUS_SEEDED
+        return STATUS_OK if since_s > self.reseed_after_s else STATUS_SEEDED
 
     def begin(self, index: int, now: float) -> float:
         self.inflight.setdefault(index, []).append(now)

@@ -16,6 +16,8 @@ def test_each_shard_goes_out_once_while_the_swarm_can_spread_it():
     assert seed.sent == [1, 0] and list(seed.recent_upload_s) == [1.0]
     assert seed.decide(0, fallback=False, others_hold=False, now=10.0) == STATUS_SEEDED
     assert seed.decide(0, fallback=True, others_hold=True, now=10.0) == STATUS_SEEDED
+    # Holders exist but the asker cannot use them: past four reseed waits its word wins.
+    assert seed.decide(0, fallback=True, others_hold=True, now=13.5) == STATUS_OK
     # Nobody announces it long after it went out: its recipient left, so send it again.
     assert seed.decide(0, fallback=True, others_hold=False, now=2.0) == STATUS_SEEDED
     assert seed.decide(0, fallback=True, others_hold=False, now=4.5) == STATUS_OK
