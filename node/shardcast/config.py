@@ -45,9 +45,10 @@ class ShardcastConfig:
     """A fetch fails with TransferTimeout after this long without a new verified shard."""
     keep_manifests: int = 3
     max_known_manifests: int = 64
-    max_streams_per_peer: int = 8
-    """Inbound manifest and shard streams one peer may hold open at once; more are reset and charged."""
-    max_streams: int = 64
+    max_streams_per_peer: int = 32
+    """Inbound manifest and shard streams one peer may hold open at once; more are reset and charged.
+    An honest peer holds at most 2 x max_downloads (transfers and their hedges) plus one query per fetch."""
+    max_streams: int = 256
     """Inbound manifest and shard streams from all peers at once; more are reset (not charged: many honest peers)."""
     unknown_requests_per_s: float = 5.0
     unknown_request_burst: int = 40
