@@ -78,6 +78,9 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         except (ShoalError, OSError, ValueError) as exc:
             job.state, job.error = "failed", str(exc)
             log.warning("fetch %s failed: %s", job.manifest_id, exc)
+        except Exception as exc:  # the one supervision point of a fetch job: a bug here must not end the daemon
+            job.state, job.error = "failed", f"internal error: {exc!r}"
+            log.exception("fetch %s failed", job.manifest_id)
         job.seconds = round(trio.current_time() - started, 3)
 
     async def fetch(request: Request) -> Response:
@@ -101,6 +104,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         s = service.statistics()
         return {"bytes_served": s.bytes_served, "bytes_fetched": s.bytes_fetched, "shards_served": s.shards_served,
                 "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
+                "requests_rejected": s.requests_rejected, "limits_hit": s.limits_hit,
+                "local_corruptions": s.local_corruptions,
                 "manifests": len(store.manifest_ids())}
 
     def samples():
@@ -114,6 +119,13 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
             yield "shoal_shard_peer_bytes_total", "counter", help_peer, {"peer": peer, "direction": "fetched"}, n
         for reason, n in s.shards_rejected.items():
             yield "shoal_shards_rejected_total", "counter", "Shards refused from peers", {"reason": reason}, n
+        for reason, n in s.requests_rejected.items():
+            yield ("shoal_shard_requests_rejected_total", "counter", "Inbound manifest/shard streams refused",
+                   {"reason": reason}, n)
+        for limit, n in s.limits_hit.items():
+            yield "shoal_shard_limits_hit_total", "counter", "Caps on peer-driven state reached", {"limit": limit}, n
+        yield ("shoal_shard_local_corruptions_total", "counter", "Own stored shards that failed their hash", {},
+               s.local_corruptions)
         yield ("shoal_shard_fetch_bytes_per_second", "gauge", "Rate of the last completed fetch", {},
                s.last_fetch_bytes_per_s)
 

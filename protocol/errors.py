@@ -3,6 +3,7 @@
     ShoalError
     ├── ConfigError               a user's mistake in config, flags or files; the message says how to fix it
     ├── LocalProtocolError        our own code asked for something the protocol forbids (a bug here)
+    ├── LocalStoreError           our own disk returned bytes that fail their hash; charged to no peer
     ├── RemoteProtocolError       a peer sent something we refuse; costs that peer score, never crashes us
     │   ├── DecodeError           malformed bytes, unknown version or tag, wrong field types
     │   ├── OversizeError         a frame or buffer larger than its cap, refused before allocation
@@ -14,8 +15,8 @@
     │   └── TransferTimeout       a peer stopped sending or answering within its deadline
     └── TaskRejected              a task spec that this node will not run; the message says why
 
-ConfigError is also a ValueError and TransferTimeout a TimeoutError, so callers that only
-know the builtin kinds still catch them.
+ConfigError is also a ValueError, LocalStoreError an OSError and TransferTimeout a TimeoutError,
+so callers that only know the builtin kinds still catch them.
 """
 
 
@@ -29,6 +30,10 @@ class ConfigError(ShoalError, ValueError):
 
 class LocalProtocolError(ShoalError):
     """Our side broke the protocol's rules: a bug in this node, not the peer's fault."""
+
+
+class LocalStoreError(ShoalError, OSError):
+    """A file in our own store failed its hash when read back: a local disk fault, never a peer's."""
 
 
 class RemoteProtocolError(ShoalError):

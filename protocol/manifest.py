@@ -38,7 +38,9 @@ DTYPE_BYTES = {
 STATUS_OK = "ok"
 STATUS_MISSING = "missing"
 STATUS_BUSY = "busy"
-SHARD_STATUSES = (STATUS_OK, STATUS_MISSING, STATUS_BUSY)
+STATUS_SEEDED = "seeded"
+"""A seeding publisher already sent this shard into the swarm: fetch it from a peer that announces it."""
+SHARD_STATUSES = (STATUS_OK, STATUS_MISSING, STATUS_BUSY, STATUS_SEEDED)
 
 _CONTENT_DOMAIN = b"shoal/content/v1\0"
 

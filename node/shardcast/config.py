@@ -32,7 +32,12 @@ class ShardcastConfig:
     """Haves leave at most max_haves_per_s after a burst of have_burst, so announcements never crowd out
     the heartbeats and task messages that share the gossip queues."""
     busy_retry_s: float = 0.25
-    """After a holder answers "busy", skip it for this shard this long (and then ask a seeder with fallback)."""
+    """After a holder answers "busy" (its upload slots are full), ask it for nothing for this long."""
+    reseed_after_s: float = 3.0
+    """A seeding publisher sends a shard again only if, this long after the first copy, nobody announces it."""
+    hedge_after_s: float = 1.0
+    """With nothing else to ask for, a shard in flight longer than this (and than 3x the median shard)
+    is asked of a second holder too: one slow link must not hold up a receiver's last shards."""
     failure_backoff_s: float = 5.0
     max_failures_per_peer: int = 3
     query_interval_s: float = 2.0
@@ -40,13 +45,34 @@ class ShardcastConfig:
     """A fetch fails with TransferTimeout after this long without a new verified shard."""
     keep_manifests: int = 3
     max_known_manifests: int = 64
+    max_streams_per_peer: int = 32
+    """Inbound manifest and shard streams one peer may hold open at once; more are reset and charged.
+    An honest peer holds at most 2 x max_downloads (transfers and their hedges) plus one query per fetch."""
+    max_streams: int = 256
+    """Inbound manifest and shard streams from all peers at once; more are reset (not charged: many honest peers)."""
+    unknown_requests_per_s: float = 5.0
+    unknown_request_burst: int = 40
+    """Requests for manifests or shards we do not hold, per peer: honest ones come from a few Haves that
+    raced a GC and from one query per query_interval_s; a loop past this is charged."""
+    gossip_per_s: float = 40.0
+    gossip_burst: int = 64
+    """Manifests and Haves per origin: twice what an honest sender's own Have limiter lets out."""
+    max_unknown_have_manifests: int = 16
+    """Manifests we have not seen yet whose Haves we buffer (the manifest may arrive later)."""
     single_source: bool = False
     """Fetch only from a manifest's publisher and let a publisher serve duplicates at once: the
     baseline that swarming is measured against, not a mode for real swarms."""
 
-    def deadlines(self) -> transfer.Deadlines:
+    def deadlines(self, concurrent: int = 1) -> transfer.Deadlines:
+        """Deadlines for one of ``concurrent`` transfers that share the link's min_rate_bytes_per_s."""
         return transfer.Deadlines(inactivity_s=self.inactivity_s, base_s=self.base_deadline_s,
-                                  min_rate_bytes_per_s=self.min_rate_bytes_per_s)
+                                  min_rate_bytes_per_s=self.min_rate_bytes_per_s / max(1, concurrent))
+
+    def download_deadlines(self) -> transfer.Deadlines:
+        return self.deadlines(self.max_downloads)
+
+    def upload_deadlines(self) -> transfer.Deadlines:
+        return self.deadlines(self.max_uploads)
 
 
 @dataclass(kw_only=True)
@@ -59,7 +85,17 @@ class ShardcastStatistics:
     bytes_fetched_by_peer: dict[str, int] = field(default_factory=dict)
     shards_rejected: dict[str, int] = field(default_factory=dict)
     """Shards we refused from peers, by reason: bad_hash, bad_size, oversize, protocol, timeout."""
+    requests_rejected: dict[str, int] = field(default_factory=dict)
+    """Inbound manifest/shard streams we refused, by reason: garbage, oversize, truncated, silent, stalled,
+    too_many_streams, unknown_flood (each charged to the peer as ``shard_<reason>``), reset (not charged)."""
+    limits_hit: dict[str, int] = field(default_factory=dict)
+    """Times a cap on what peers can make us hold was reached, by cap: streams_total, known_manifests,
+    holders, unknown_have_manifests, gossip_flood."""
+    local_corruptions: int = 0
+    """Our own stored shards that failed their hash when read: a local disk fault, charged to nobody."""
     uploads_refused_busy: int = 0
+    uploads_refused_seeded: int = 0
+    """Requests a seeding publisher sent to the swarm instead (it already sent that shard out)."""
     upload_failures: int = 0
     download_failures: int = 0
     gossip_rejected: int = 0

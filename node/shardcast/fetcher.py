@@ -1,7 +1,8 @@
-"""One multi-source fetch: rarest shard first, least-loaded non-publisher holder first, re-fetch on failure."""
+"""One multi-source fetch: rarest shard first, the holder that should finish it soonest, re-fetch on failure."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 import trio
 
 from protocol.errors import IntegrityError, OversizeError, RemoteProtocolError, TransferTimeout, TransportError
-from protocol.manifest import STATUS_BUSY, STATUS_OK, SignedManifest
+from protocol.manifest import STATUS_BUSY, STATUS_OK, STATUS_SEEDED, SignedManifest
 
 from node.shardcast import transfer
 
@@ -45,9 +46,17 @@ class FetchState:
         self.bytes_done = self.manifest.total_bytes - sum(self.manifest.shard_size(i) for i in self.missing)
         self.bytes_new = 0
         self.inflight: dict[int, str] = {}
-        self.refused_at: dict[tuple[int, str], float] = {}
+        self.begun: dict[int, float] = {}
+        self.hedged: dict[int, str] = {}
+        """Shards also asked of a second holder because the first is overdue; the first to verify wins."""
+        self.scopes: dict[tuple[int, bool], trio.CancelScope] = {}
+        """(shard, is_hedge) -> the transfer's scope, so the copy that verifies first can cancel its twin."""
+        self.shard_s: list[float] = []
+        self.busy_at: dict[str, float] = {}
+        self.seeded_at: dict[int, float] = {}
         self.failed_at: dict[tuple[int, str], float] = {}
         self.peer_failures: dict[str, int] = {}
+        self.peer_failed_at: dict[str, float] = {}
         self.banned: set[str] = set()
         self.sources: set[str] = set()
         self.started_at = trio.current_time()
@@ -62,33 +71,43 @@ class FetchState:
         if len(self.missing) < self.manifest.num_shards:
             svc._mark_dirty(self.mid)
         last_query_at = -float("inf")
+        stalled = False
         async with trio.open_nursery() as nursery:
             while self.missing:
                 now = trio.current_time()
                 if now - self.last_progress_at > cfg.stall_timeout_s:
-                    raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
-                                          f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
+                    stalled = True  # raised below, outside the nursery, as itself rather than in a group
+                    break
                 changed = svc._changed
-                while len(self.inflight) < cfg.max_downloads:
-                    pick = self._pick(now)
-                    if pick is None:
-                        break
+                while len(self.inflight) < cfg.max_downloads and (pick := self._pick(now)) is not None:
                     index, peer, fallback = pick
                     self.inflight[index] = peer
+                    self.begun[index] = now
                     svc._inflight_by_peer[peer] += 1
-                    nursery.start_soon(self._fetch_one, index, peer, fallback)
+                    nursery.start_soon(self._fetch_one, index, peer, fallback, False)
+                # Hedges take no download slot: the overdue transfers they back up hold those, mostly idle.
+                while len(self.hedged) < cfg.max_downloads and (pick := self._pick_hedge(now)) is not None:
+                    index, peer, fallback = pick
+                    self.hedged[index] = peer
+                    svc._inflight_by_peer[peer] += 1
+                    nursery.start_soon(self._fetch_one, index, peer, fallback, True)
                 wake_at = now + cfg.query_interval_s
                 starved = len(self.inflight) < min(cfg.max_downloads, len(self.missing))
                 if starved and now - last_query_at >= cfg.query_interval_s:
                     # Holders we have not heard of (joined before us, gossip lost): ask around.
                     last_query_at = now
                     nursery.start_soon(svc.query_peers, self.mid)
-                retry_times = [t + cfg.busy_retry_s for t in self.refused_at.values()]
+                retry_times = [t + cfg.busy_retry_s for t in self.busy_at.values()]
+                retry_times += [t + cfg.reseed_after_s for t in self.seeded_at.values()]
                 retry_times += [t + cfg.failure_backoff_s for t in self.failed_at.values()]
+                retry_times += [t + self._hedge_after_s() for i, t in self.begun.items() if i not in self.hedged]
                 wake_at = min([wake_at, *[t for t in retry_times if t > now]])
                 with trio.move_on_at(wake_at):
                     await changed.wait()
             nursery.cancel_scope.cancel()
+        if stalled:
+            raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
+                                  f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
 
     def _candidates(self, index: int, now: float) -> list[str]:
         cfg = self.svc.config
@@ -99,19 +118,23 @@ class FetchState:
                 continue
             if index not in held or peer not in connected or peer in self.banned:
                 continue
-            if self.peer_failures.get(peer, 0) >= cfg.max_failures_per_peer:
-                continue
-            if now - self.refused_at.get((index, peer), -float("inf")) < cfg.busy_retry_s:
+            failures = self.peer_failures.get(peer, 0)
+            if failures >= cfg.max_failures_per_peer and (
+                    now - self.peer_failed_at.get(peer, -float("inf")) < failures * cfg.failure_backoff_s):
+                continue  # a holder that keeps failing rests longer each time, but is never written off
+            if now - self.busy_at.get(peer, -float("inf")) < cfg.busy_retry_s:
                 continue
             if now - self.failed_at.get((index, peer), -float("inf")) < cfg.failure_backoff_s:
                 continue
+            if peer == self.publisher and now - self.seeded_at.get(index, -float("inf")) < cfg.reseed_after_s:
+                continue  # the publisher sent it out already: wait for the Have of whoever got it
             out.append(peer)
         return out
 
     def _pick(self, now: float) -> tuple[int, str, bool] | None:
         """(shard, holder, fallback) to fetch next, or None if nothing can start now."""
         best = None
-        for index in self.missing - self.inflight.keys():
+        for index in self.missing - self.inflight.keys() - self.hedged.keys():
             peers = self._candidates(index, now)
             if not peers:
                 continue
@@ -125,52 +148,106 @@ class FetchState:
         others = [p for p in peers if p != self.publisher]
         # The publisher's upload must not grow with the number of receivers: it is the last resort.
         pool = others or peers
-        load = self.svc._inflight_by_peer
-        peer = min(pool, key=lambda p: (load[p], random.random()))
-        # In single-source mode every request is a last resort: the publisher need not hold back duplicates.
-        fallback = self.svc.config.single_source or (not others and (index, peer) in self.refused_at)
+        # A holder with an overdue transfer to us is slow (or hostile): ask it only if nobody else has the shard.
+        overdue = self._overdue_peers(now)
+        pool = [p for p in pool if p not in overdue] or pool
+        peer = min(pool, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
+        # Fallback tells a seeding publisher that nobody else can serve us this shard now.
+        fallback = self.svc.config.single_source or not others
         return index, peer, fallback
 
-    async def _fetch_one(self, index: int, peer: str, fallback: bool) -> None:
+    def _hedge_after_s(self) -> float:
+        """A shard running this long is overdue: three times the median shard so far, at least hedge_after_s."""
+        typical = sorted(self.shard_s)[len(self.shard_s) // 2] if self.shard_s else 0.0
+        return max(self.svc.config.hedge_after_s, 3.0 * typical)
+
+    def _overdue_peers(self, now: float) -> set[str]:
+        limit = self._hedge_after_s()
+        return {self.inflight[i] for i, begun in self.begun.items() if now - begun > limit}
+
+    def _pick_hedge(self, now: float) -> tuple[int, str, bool] | None:
+        """With nothing new to ask for, the overdue shard to ask a second holder for, and whom (endgame)."""
+        best = None
+        for index, begun in self.begun.items():
+            if index in self.hedged or now - begun < self._hedge_after_s():
+                continue
+            peers = [p for p in self._candidates(index, now) if p != self.inflight[index]]
+            if peers and (best is None or begun < best[0]):
+                best = (begun, index, peers)
+        if best is None:
+            return None
+        _, index, peers = best
+        others = [p for p in peers if p != self.publisher]
+        peer = min(others or peers, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
+        return index, peer, not others
+
+    async def _fetch_one(self, index: int, peer: str, fallback: bool, hedge: bool = False) -> None:
+        with trio.CancelScope() as scope:
+            self.scopes[(index, hedge)] = scope
+            try:
+                status = await self._fetch_from(index, peer, fallback, hedge)
+            finally:
+                del self.scopes[(index, hedge)]
+        if scope.cancelled_caught:
+            return
+        if status == STATUS_OK and (twin := self.scopes.get((index, not hedge))) is not None:
+            twin.cancel()  # the slower copy of a shard we now hold
+
+    async def _fetch_from(self, index: int, peer: str, fallback: bool, hedge: bool) -> str | None:
         svc, cfg = self.svc, self.svc.config
         stats = svc._stats
         size = self.manifest.shard_size(index)
         status = None
         try:
-            async with svc._download_limiter:
+            async with contextlib.nullcontext() if hedge else svc._download_limiter:
                 stats.downloads_active += 1
                 try:
                     with trio.fail_after(cfg.stream_open_timeout_s):
                         stream = await svc.host.open_stream(peer, transfer.SHARD_PROTOCOL)
+                    started = trio.current_time()
                     status = await transfer.fetch_shard(
                         stream, svc.store, manifest_id=self.mid, index=index,
                         sha256=self.manifest.shard_hashes[index], nbytes=size,
-                        deadlines=cfg.deadlines(), fallback=fallback)
+                        deadlines=cfg.download_deadlines(), fallback=fallback)
+                    if status == STATUS_OK:
+                        svc.record_rate(peer, size, trio.current_time() - started)
                 finally:
                     stats.downloads_active -= 1
-        except (RemoteProtocolError, TransferTimeout) as exc:
+        except (RemoteProtocolError, transfer.Stalled) as exc:
             # Bad bytes or a stall: this holder is done for this fetch, and it costs it score.
             svc._reject(peer, reject_reason(exc), exc)
             self.banned.add(peer)
             stats.download_failures += 1
         except (TransportError, trio.TooSlowError) as exc:
+            # Unreachable, closed, or merely slower than the overall deadline: retry elsewhere, charge nobody.
             log.debug("shardcast: shard %d from %s failed: %s", index, peer, exc)
             self.failed_at[(index, peer)] = trio.current_time()
             self.peer_failures[peer] = self.peer_failures.get(peer, 0) + 1
+            self.peer_failed_at[peer] = trio.current_time()
             stats.download_failures += 1
         finally:
-            del self.inflight[index]
+            if hedge:
+                del self.hedged[index]
+            else:
+                del self.inflight[index]
+                began = self.begun.pop(index)
+                if status == STATUS_OK:
+                    self.shard_s.append(trio.current_time() - began)
             svc._inflight_by_peer[peer] -= 1
             if not svc._inflight_by_peer[peer]:
                 del svc._inflight_by_peer[peer]
             svc._notify()
         if status == STATUS_OK:
-            self._done(index, peer, size)
+            if index in self.missing:
+                self._done(index, peer, size)
         elif status == STATUS_BUSY:
-            self.refused_at[(index, peer)] = trio.current_time()
+            self.busy_at[peer] = trio.current_time()
+        elif status == STATUS_SEEDED:
+            self.seeded_at[index] = trio.current_time()
         elif status is not None:
             svc.forget_holding(self.mid, peer, index)
             self.failed_at[(index, peer)] = trio.current_time()
+        return status
 
     def _done(self, index: int, peer: str, size: int) -> None:
         svc = self.svc
@@ -196,5 +273,5 @@ def reject_reason(exc: BaseException) -> str:
     if isinstance(exc, IntegrityError):
         return "bad_hash" if "hash" in str(exc) else "bad_size"
     if isinstance(exc, TransferTimeout):
-        return "timeout"
+        return "timeout"  # only a Stalled holder is charged: no bytes for a whole inactivity deadline
     return "protocol"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -14,16 +15,19 @@ import trio
 from p2p.api import GossipMessage, Host, Stream
 from p2p.framing import recv_message, send_message
 from protocol.envelope import open_sealed, seal
-from protocol.errors import DecodeError, RemoteProtocolError, TransferTimeout, TransportError
+from protocol.errors import (DecodeError, IntegrityError, LocalStoreError, RemoteProtocolError, TransferTimeout,
+                             TransportError)
 from protocol.keys import Keypair
+from protocol.scores import FloodLimiter
 from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
-                               STATUS_MISSING, Have, Manifest, ManifestRequest, ManifestResponse,
+                               STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Have, Manifest, ManifestRequest, ManifestResponse,
                                SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
                                make_manifest, open_manifest, seal_manifest)
 
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
+from node.shardcast.seed import Seed
 from node.shardcast.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -32,19 +36,6 @@ TOPIC = "shoal/shards/1"
 MANIFEST_PROTOCOL = "/shoal/manifest/1"
 _RESPONSE_MAX_BYTES = MAX_MANIFEST_BYTES + 64 * 1024
 _MAX_HOLDERS_PER_MANIFEST = 4096
-
-
-@dataclass
-class _Seed:
-    """A manifest this node published: serve each shard once before serving duplicates."""
-
-    served: list[int]
-    inflight: set[int] = field(default_factory=set)
-
-    def may_serve(self, index: int, fallback: bool) -> bool:
-        if index in self.inflight:
-            return False
-        return self.served[index] == 0 or fallback
 
 
 class ShardcastService:
@@ -61,7 +52,7 @@ class ShardcastService:
         self._stats = ShardcastStatistics()
         self._known: OrderedDict[bytes, SignedManifest] = OrderedDict()
         self._holders: OrderedDict[bytes, dict[str, set[int]]] = OrderedDict()
-        self._seeds: dict[bytes, _Seed] = {}
+        self._seeds: dict[bytes, Seed] = {}
         self._active_fetches: Counter[bytes] = Counter()
         self._inflight_by_peer: Counter[str] = Counter()
         self._dirty: set[bytes] = set()
@@ -73,6 +64,11 @@ class ShardcastService:
         self._running = False
         self._have_tokens = float(self.config.have_burst)
         self._have_refilled_at = 0.0
+        self._streams_by_peer: Counter[str] = Counter()
+        self._rate_by_peer: dict[str, float] = {}
+        self._unknown_requests = FloodLimiter(rate_per_s=self.config.unknown_requests_per_s,
+                                              burst=self.config.unknown_request_burst)
+        self._gossip_flood = FloodLimiter(rate_per_s=self.config.gossip_per_s, burst=self.config.gossip_burst)
 
     # lifecycle
 
@@ -92,7 +88,8 @@ class ShardcastService:
     def statistics(self) -> ShardcastStatistics:
         s = self._stats
         return replace(s, bytes_served_by_peer=dict(s.bytes_served_by_peer),
-                       bytes_fetched_by_peer=dict(s.bytes_fetched_by_peer), shards_rejected=dict(s.shards_rejected))
+                       bytes_fetched_by_peer=dict(s.bytes_fetched_by_peer), shards_rejected=dict(s.shards_rejected),
+                       requests_rejected=dict(s.requests_rejected), limits_hit=dict(s.limits_hit))
 
     def _notify(self) -> None:
         """Wake every fetch waiting for news (a Have, a finished transfer)."""
@@ -153,7 +150,8 @@ class ShardcastService:
             signed = await trio.to_thread.run_sync(work)
         if not self.config.single_source:
             # Nobody else will ever serve in single-source mode: serve-once would only stall receivers.
-            self._seeds[signed.manifest_id] = _Seed(served=[0] * signed.manifest.num_shards)
+            self._seeds[signed.manifest_id] = Seed(num_shards=signed.manifest.num_shards,
+                                                   reseed_after_s=self.config.reseed_after_s)
         self._remember(signed)
         await self._gossip(signed.sealed)
         self._mark_dirty(signed.manifest_id)
@@ -163,7 +161,11 @@ class ShardcastService:
     # reading back
 
     def load_tensors(self, manifest: Manifest) -> dict:
-        """The manifest's tensors as CPU tensors sharing one buffer; re-verifies every shard (blocking)."""
+        """The manifest's tensors as CPU tensors sharing one buffer; re-verifies every shard (blocking).
+
+        LocalStoreError if a stored shard no longer matches its hash: our disk's fault, not the
+        producer's. The shard is dropped, so fetching the manifest again repairs it.
+        """
         from node.shardcast.tensors import blob_to_tensors
         if manifest.kind != KIND_TENSORS:
             raise ValueError(f"manifest {manifest.label!r} holds a file, not tensors: use export_file")
@@ -176,7 +178,7 @@ class ShardcastService:
         tmp = path.with_name(f".{path.name}.shardcast.tmp")
         with open(tmp, "wb") as f:
             for h in manifest.shard_hashes:
-                f.write(self.store.read_shard(h))
+                f.write(self._read_local(h))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -185,8 +187,16 @@ class ShardcastService:
         blob = bytearray(manifest.total_bytes)
         for i, h in enumerate(manifest.shard_hashes):
             start, end = manifest.shard_range(i)
-            blob[start:end] = self.store.read_shard(h)
+            blob[start:end] = self._read_local(h)
         return blob
+
+    def _read_local(self, sha256: bytes) -> bytes:
+        try:
+            return self.store.read_shard(sha256)
+        except IntegrityError as exc:
+            self._stats.local_corruptions += 1
+            log.warning("shardcast: %s", exc)
+            raise LocalStoreError(f"{exc}; fetch the manifest again to repair it") from None
 
     # fetching
 
@@ -269,6 +279,17 @@ class ShardcastService:
         self._stats.shards_rejected[reason] = self._stats.shards_rejected.get(reason, 0) + 1
         self._penalize(peer, reason)
 
+    def _refuse_request(self, peer: str, reason: str, detail: object, *, charge: bool = True) -> None:
+        """Count an inbound stream we refused and, when the peer is to blame, charge it ``shard_<reason>``."""
+        log.debug("shardcast: refused a stream from %s (%s): %s", peer, reason, detail)
+        rejected = self._stats.requests_rejected
+        rejected[reason] = rejected.get(reason, 0) + 1
+        if charge:
+            self._penalize(peer, f"shard_{reason}")
+
+    def _hit_limit(self, limit: str) -> None:
+        self._stats.limits_hit[limit] = self._stats.limits_hit.get(limit, 0) + 1
+
     # availability
 
     def _remember(self, signed: SignedManifest) -> None:
@@ -276,6 +297,7 @@ class ShardcastService:
         self._known.move_to_end(signed.manifest_id)
         while len(self._known) > self.config.max_known_manifests:
             self._known.popitem(last=False)
+            self._hit_limit("known_manifests")
         self._notify()
 
     def _record_holder(self, manifest_id: bytes, peer: str, indices: set[int]) -> None:
@@ -283,6 +305,8 @@ class ShardcastService:
             return
         holders = self._holders.get(manifest_id)
         if holders is None:
+            if not self._is_known(manifest_id):
+                self._make_room_for_unknown_haves()
             holders = self._holders[manifest_id] = {}
             while len(self._holders) > self.config.max_known_manifests:
                 oldest = next(iter(self._holders))
@@ -290,9 +314,43 @@ class ShardcastService:
                     self._holders.move_to_end(oldest)
                     break
                 del self._holders[oldest]
+                self._hit_limit("holders")
         if peer in holders or len(holders) < _MAX_HOLDERS_PER_MANIFEST:
             holders[peer] = indices
+        else:
+            self._hit_limit("holders")
         self._notify()
+
+    def _is_known(self, manifest_id: bytes) -> bool:
+        return manifest_id in self._known or self.store.get_manifest(manifest_id) is not None
+
+    def _make_room_for_unknown_haves(self) -> None:
+        """Haves may precede their manifest, but invented manifest ids must not evict real holders."""
+        unknown = [m for m in self._holders if not self._is_known(m) and m not in self._active_fetches]
+        if len(unknown) >= self.config.max_unknown_have_manifests:
+            self._hit_limit("unknown_have_manifests")
+            del self._holders[unknown[0]]
+
+    def record_rate(self, peer: str, nbytes: int, seconds: float) -> None:
+        """Fold one verified shard's download rate from ``peer`` into its moving average."""
+        rate = nbytes / max(seconds, 1e-3)
+        old = self._rate_by_peer.get(peer)
+        self._rate_by_peer[peer] = rate if old is None else 0.7 * old + 0.3 * rate
+        while len(self._rate_by_peer) > 4 * self.config.max_known_manifests + 256:
+            del self._rate_by_peer[next(iter(self._rate_by_peer))]
+
+    def expected_finish_s(self, peer: str) -> float:
+        """How soon one more shard from ``peer`` should arrive, relative to other peers: its queue over its rate.
+
+        A peer not measured yet counts as fast as the fastest one, so every holder gets tried.
+        """
+        fastest = max(self._rate_by_peer.values(), default=1.0)
+        return (self._inflight_by_peer[peer] + 1) / self._rate_by_peer.get(peer, fastest)
+
+    def _others_hold(self, manifest_id: bytes, index: int, requester: str) -> bool:
+        connected = set(self.host.connected_peers())
+        return any(index in held for peer, held in self.holders(manifest_id).items()
+                   if peer != requester and peer in connected)
 
     def holders(self, manifest_id: bytes) -> dict[str, set[int]]:
         return self._holders.get(manifest_id, {})
@@ -347,14 +405,20 @@ class ShardcastService:
             log.warning("shardcast: gossip publish failed: %s", exc)
 
     def _validate_gossip(self, msg: GossipMessage) -> bool:
+        if not self._gossip_flood.allow(msg.origin, trio.current_time()):
+            self._hit_limit("gossip_flood")
+            self._penalize(msg.origin, "shard_gossip_flood")
+            return False
         try:
             signed = open_sealed(msg.data, expect=(Manifest, Have))
         except RemoteProtocolError:
             self._stats.gossip_rejected += 1
+            self._penalize(msg.origin, "shard_gossip_garbage")
             return False
         # A Have speaks for its signer only: a relayed copy must still come from that signer's publish.
         if isinstance(signed.message, Have) and signed.signer != msg.origin:
             self._stats.gossip_rejected += 1
+            self._penalize(msg.origin, "impersonation")
             return False
         return True
 
@@ -377,41 +441,94 @@ class ShardcastService:
 
     # serving
 
-    async def _serve_manifest(self, stream: Stream) -> None:
+    @contextlib.contextmanager
+    def _admit(self, peer: str):
+        """Count an inbound stream against the per-peer and total caps; yields whether it may proceed."""
+        cfg = self.config
+        if self._streams_by_peer[peer] >= cfg.max_streams_per_peer:
+            self._refuse_request(peer, "too_many_streams", f"{cfg.max_streams_per_peer} already open")
+            yield False
+            return
+        if self._streams_by_peer.total() >= cfg.max_streams:
+            self._hit_limit("streams_total")
+            self._refuse_request(peer, "busy", f"{cfg.max_streams} streams open", charge=False)
+            yield False
+            return
+        self._streams_by_peer[peer] += 1
         try:
-            with trio.fail_after(2 * self.config.inactivity_s):
-                req = await recv_message(stream, 1024, expect=ManifestRequest)
-                if req is None:
-                    return
-                signed = self.store.get_manifest(req.manifest_id) or self._known.get(req.manifest_id)
-                held = self.store.held_indices(req.manifest_id)
-                n = signed.manifest.num_shards if signed else 0
-                await send_message(stream, ManifestResponse(
-                    sealed_manifest=signed.sealed if signed else b"",
-                    bitfield=bitfield_from_indices(n, held) if held else b""))
-                await stream.close()
-        except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
-            log.debug("shardcast: manifest request from %s failed: %s", stream.remote_peer, exc)
-            await transfer.abort(stream)
+            yield True
+        finally:
+            self._streams_by_peer[peer] -= 1
+            if not self._streams_by_peer[peer]:
+                del self._streams_by_peer[peer]
+
+    def _allow_unknown(self, peer: str) -> bool:
+        """False (and the peer charged) once it asks for things we do not hold faster than any honest peer."""
+        if self._unknown_requests.allow(peer, trio.current_time()):
+            return True
+        self._refuse_request(peer, "unknown_flood", "too many requests for unknown manifests or shards")
+        return False
+
+    async def _serve_manifest(self, stream: Stream) -> None:
+        peer = stream.remote_peer
+        with self._admit(peer) as admitted:
+            if not admitted:
+                await transfer.abort(stream)
+                return
+            try:
+                req = await transfer.read_control(stream, self.config.deadlines(), 1024, ManifestRequest)
+            except transfer.Refused as exc:
+                self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
+                await transfer.abort(stream)
+                return
+            signed = self.store.get_manifest(req.manifest_id) or self._known.get(req.manifest_id)
+            held = self.store.held_indices(req.manifest_id)
+            if signed is None and not self._allow_unknown(peer):
+                await transfer.abort(stream)
+                return
+            n = signed.manifest.num_shards if signed else 0
+            try:
+                with trio.fail_after(self.config.inactivity_s):
+                    await send_message(stream, ManifestResponse(
+                        sealed_manifest=signed.sealed if signed else b"",
+                        bitfield=bitfield_from_indices(n, held) if held else b""))
+                    await stream.close()
+            except trio.TooSlowError:
+                self._refuse_request(peer, "stalled", "did not read the manifest response")
+                await transfer.abort(stream)
+            except TransportError as exc:
+                log.debug("shardcast: manifest response to %s failed: %s", peer, exc)
+                await transfer.abort(stream)
 
     async def _serve_shard(self, stream: Stream) -> None:
-        cfg = self.config
         peer = stream.remote_peer
-        try:
-            req = await transfer.read_request(stream, cfg.deadlines())
-        except (RemoteProtocolError, TransportError) as exc:
-            log.debug("shardcast: bad shard request from %s: %s", peer, exc)
-            await transfer.abort(stream)
-            return
+        with self._admit(peer) as admitted:
+            if not admitted:
+                await transfer.abort(stream)
+                return
+            try:
+                req = await transfer.read_request(stream, self.config.deadlines())
+            except transfer.Refused as exc:
+                self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
+                await transfer.abort(stream)
+                return
+            await self._answer_shard(stream, peer, req)
+
+    async def _answer_shard(self, stream: Stream, peer: str, req) -> None:
+        cfg = self.config
         signed = self.store.get_manifest(req.manifest_id)
         m = signed.manifest if signed else None
         if m is None or req.index >= m.num_shards or not self.store.has_shard(m.shard_hashes[req.index]):
-            await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
+            if self._allow_unknown(peer):
+                await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
+            else:
+                await transfer.abort(stream)
             return
         seed = self._seeds.get(req.manifest_id)
-        if seed is not None and not seed.may_serve(req.index, req.fallback):
-            self._stats.uploads_refused_busy += 1
-            await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
+        if seed is not None and seed.decide(req.index, fallback=req.fallback, now=trio.current_time(),
+                                            others_hold=self._others_hold(req.manifest_id, req.index, peer)) != STATUS_OK:
+            self._stats.uploads_refused_seeded += 1
+            await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
             return
         try:
             self._upload_limiter.acquire_nowait()
@@ -422,8 +539,8 @@ class ShardcastService:
         sha = m.shard_hashes[req.index]
         stats = self._stats
         stats.uploads_active += 1
-        if seed is not None:
-            seed.inflight.add(req.index)
+        started = seed.begin(req.index, trio.current_time()) if seed is not None else 0.0
+        acked = False
 
         def count(nbytes: int) -> None:
             stats.bytes_served += nbytes
@@ -431,15 +548,21 @@ class ShardcastService:
 
         try:
             result = await transfer.send_shard(stream, req, path=self.store.shard_path(sha), sha256=sha,
-                                               nbytes=m.shard_size(req.index), deadlines=cfg.deadlines(),
+                                               nbytes=m.shard_size(req.index), deadlines=cfg.upload_deadlines(),
                                                on_bytes=count)
             if result.disk_corrupt:
+                # Our disk, not the receiver that told us: count it locally and charge nobody.
+                stats.local_corruptions += 1
                 log.warning("shardcast: shard %s was corrupt on disk; dropped", sha.hex()[:16])
                 self.store.drop_shard(sha)
             elif result.ok:
                 stats.shards_served += 1
-                if seed is not None:
-                    seed.served[req.index] += 1
+                acked = True
+        except TransferTimeout as exc:
+            # A receiver that stopped reading is charged; one on a slow link (below min_rate) is only counted.
+            stats.upload_failures += 1
+            self._refuse_request(peer, "stalled" if isinstance(exc, transfer.Stalled) else "slow", exc,
+                                 charge=isinstance(exc, transfer.Stalled))
         except (RemoteProtocolError, TransportError, OSError) as exc:
             stats.upload_failures += 1
             log.debug("shardcast: upload of shard %d to %s failed: %s", req.index, peer, exc)
@@ -447,7 +570,7 @@ class ShardcastService:
             stats.uploads_active -= 1
             self._upload_limiter.release()
             if seed is not None:
-                seed.inflight.discard(req.index)
+                seed.end(req.index, started, trio.current_time(), ok=acked)
 
     # housekeeping
 

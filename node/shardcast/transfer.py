@@ -23,6 +23,8 @@ from node.shardcast.store import ShardStore
 
 SHARD_PROTOCOL = "/shoal/shard/1"
 CHUNK_BYTES = 1 << 20
+WRITE_BATCH_BYTES = 1 << 20
+"""Bytes handed to the hashing and writing thread at once (one thread hop each); chosen by measurement."""
 CONTROL_MAX_BYTES = 4096
 """Request, header and ack are ~100 bytes; anything near this cap is junk."""
 CLEANUP_S = 1.0
@@ -38,10 +40,17 @@ class Deadlines:
         return self.base_s + nbytes / self.min_rate_bytes_per_s
 
 
+class Stalled(TransferTimeout):
+    """The peer made no progress for a whole inactivity deadline (unlike a merely slow transfer)."""
+
+
 async def _step(deadlines: Deadlines, awaitable):
     """One read or write, bounded by the inactivity deadline."""
-    with trio.fail_after(deadlines.inactivity_s):
-        return await awaitable
+    try:
+        with trio.fail_after(deadlines.inactivity_s):
+            return await awaitable
+    except trio.TooSlowError:
+        raise Stalled(f"no progress for {deadlines.inactivity_s} s") from None
 
 
 async def abort(stream: Stream) -> None:
@@ -79,11 +88,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
                 raise IntegrityError(f"header promises {header.nbytes} bytes / another hash; "
                                      f"the manifest says {nbytes} bytes")
             writer = store.shard_writer(sha256, nbytes)
-            while writer.received_bytes < nbytes:
-                chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - writer.received_bytes)))
-                if not chunk:
-                    raise IntegrityError(f"shard ended after {writer.received_bytes} of {nbytes} bytes")
-                writer.write(chunk)
+            await _receive_body(stream, writer, nbytes, deadlines)
             if await _step(deadlines, stream.read(1)):
                 raise OversizeError(f"holder sent more than the announced {nbytes} bytes")
             try:
@@ -105,7 +110,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
         return STATUS_OK
     except trio.TooSlowError:
         await abort(stream)
-        raise TransferTimeout(f"shard {index} stalled past its deadline") from None
+        raise TransferTimeout(f"shard {index} slower than its overall deadline") from None
     except BaseException:
         if not nacked:
             await abort(stream)
@@ -113,6 +118,54 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
     finally:
         if writer is not None:
             writer.abort()
+
+
+async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadlines) -> None:
+    """Read a shard's bytes on the event loop while a worker thread hashes and writes the batch before.
+
+    hashlib and file writes release the GIL on large buffers, so the thread runs beside the loop
+    that decrypts and demultiplexes the stream; the channel holds one batch, bounding memory.
+    """
+    failure: list[Exception] = []
+    send, receive = trio.open_memory_channel[bytearray](1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_write_batches, receive, writer, failure)
+        async with send:
+            try:
+                await _read_batches(stream, send, nbytes, deadlines, failure)
+            except Exception as exc:  # re-raised below as itself, not inside the nursery's exception group
+                failure.append(exc)
+    if failure:
+        raise failure[0]
+
+
+async def _read_batches(stream: Stream, send: trio.MemorySendChannel[bytearray], nbytes: int,
+                        deadlines: Deadlines, failure: list) -> None:
+    received = 0
+    batch = bytearray()
+    while received < nbytes and not failure:
+        chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - received)))
+        if not chunk:
+            raise IntegrityError(f"shard ended after {received} of {nbytes} bytes")
+        batch += chunk
+        received += len(chunk)
+        if len(batch) >= WRITE_BATCH_BYTES:
+            await send.send(batch)
+            batch = bytearray()
+    if batch and not failure:
+        await send.send(batch)
+
+
+async def _write_batches(receive: trio.MemoryReceiveChannel[bytearray], writer, failure: list) -> None:
+    # Errors are handed back, not raised, so the caller sees OSError itself rather than an exception group.
+    async with receive:
+        async for batch in receive:
+            if failure:
+                continue
+            try:
+                await trio.to_thread.run_sync(writer.write, batch)
+            except OSError as exc:
+                failure.append(exc)
 
 
 async def _send_nack(stream: Stream, manifest_id: bytes, index: int, reason: str) -> None:
@@ -124,15 +177,56 @@ async def _send_nack(stream: Stream, manifest_id: bytes, index: int, reason: str
             pass
 
 
-async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
-    """The requester's ShardRequest; StreamClosed, DecodeError or TransferTimeout otherwise."""
+class Refused(Exception):
+    """An inbound request we refuse; ``reason`` names it in statistics, ``charge`` says whether the peer is to blame."""
+
+    def __init__(self, reason: str, detail: str, *, charge: bool = True):
+        super().__init__(detail)
+        self.reason = reason
+        self.charge = charge
+
+
+class _Watched:
+    """A read-only view of a stream that remembers whether the peer half-closed (EOF) or not."""
+
+    def __init__(self, stream: Stream):
+        self._stream = stream
+        self.eof = False
+
+    async def read(self, max_bytes: int) -> bytes:
+        data = await self._stream.read(max_bytes)
+        self.eof = not data
+        return data
+
+
+async def read_control(stream: Stream, deadlines: Deadlines, max_bytes: int, expect: type):
+    """The first control message on an inbound stream, or Refused naming what the peer did instead.
+
+    A half-close before a whole request is deliberate (honest peers always send one first), so it is
+    charged; a reset is not, since a peer that cancels a query resets its stream.
+    """
+    watched = _Watched(stream)
     try:
-        req = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardRequest))
+        with trio.fail_after(deadlines.inactivity_s):
+            msg = await recv_message(watched, max_bytes, expect=expect)
     except trio.TooSlowError:
-        raise TransferTimeout("no shard request") from None
-    if req is None:
-        raise StreamClosed("stream ended before the shard request")
-    return req
+        raise Refused("silent", f"no request within {deadlines.inactivity_s} s") from None
+    except OversizeError as exc:
+        raise Refused("oversize", str(exc)) from None
+    except RemoteProtocolError as exc:
+        raise Refused("garbage", str(exc)) from None
+    except StreamClosed as exc:
+        if watched.eof:
+            raise Refused("truncated", str(exc)) from None
+        raise Refused("reset", str(exc), charge=False) from None
+    if msg is None:
+        raise Refused("truncated", "stream ended before the request")
+    return msg
+
+
+async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
+    """The requester's ShardRequest; Refused otherwise."""
+    return await read_control(stream, deadlines, CONTROL_MAX_BYTES, ShardRequest)
 
 
 async def refuse(stream: Stream, req: ShardRequest, status: str, deadlines: Deadlines) -> None:
@@ -194,7 +288,7 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
         return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=corrupt)
     except trio.TooSlowError:
         await abort(stream)
-        raise TransferTimeout(f"shard {req.index}: receiver stalled") from None
-    except (RemoteProtocolError, StreamClosed, OSError):
+        raise TransferTimeout(f"shard {req.index}: slower than its overall deadline") from None
+    except (RemoteProtocolError, StreamClosed, OSError, Stalled):
         await abort(stream)
         raise

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.tasks import compute
-from protocol.errors import IntegrityError, RemoteProtocolError, TaskRejected, TransportError
+from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.envelope import seal
 from protocol.manifest import KIND_FILE, KIND_TENSORS, Manifest, manifest_id
 from protocol.round import Aggregate, Apply, RoundFailed
@@ -47,7 +47,13 @@ class Exchange:
             raise IntegrityError(f"manifest {manifest_hex[:16]} is not signed by {signer}")
         if manifest.kind != KIND_TENSORS:
             raise IntegrityError(f"manifest {manifest_hex[:16]} holds a file, not tensors")
-        tensors = await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
+        try:
+            tensors = await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
+        except LocalStoreError:
+            # Our own disk rotted, not the signer's bytes: the bad shard was dropped, so fetch it again.
+            with trio.fail_after(timeout_s):
+                manifest = await self.shardcast.fetch(mid)
+            tensors = await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
         return manifest, tensors
 
     async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float) -> bytes:

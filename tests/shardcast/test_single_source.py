@@ -44,7 +44,8 @@ async def test_concurrent_receivers_each_pull_everything_from_the_publisher(swar
 
 
 async def test_receiver_ignores_a_complete_non_publisher_holder(swarm, tmp_path):
-    pub = await swarm.add("pub")
+    # A super-seeding publisher would send "late" to "early"; a single-source one serves duplicates.
+    pub = await swarm.add("pub", config=SINGLE)
     early = await swarm.add("early")
     late = await swarm.add("late", config=SINGLE)
     src = tmp_path / "blob.bin"
@@ -53,7 +54,6 @@ async def test_receiver_ignores_a_complete_non_publisher_holder(swarm, tmp_path)
         await _mesh_ready([pub, early, late])
         m = await pub.service.publish_file(src)
         await early.service.fetch(manifest_id(m))
-        # The publisher (swarm mode) has served every shard once; a duplicate now needs fallback.
         await late.service.fetch(manifest_id(m))
     assert late.service.statistics().bytes_fetched_by_peer == {pub.peer_id: m.total_bytes}
     assert early.service.statistics().bytes_served == 0

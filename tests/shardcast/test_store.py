@@ -83,8 +83,13 @@ def test_invalid_manifest_file_is_dropped(tmp_path):
     store = ShardStore.open(tmp_path)
     signed = _publish(store, os.urandom(3000), 1)
     path = tmp_path / "manifests" / f"{signed.manifest_id.hex()}.sealed"
-    path.write_bytes(path.read_bytes()[:-1] + b"\0")
-    assert ShardStore.open(tmp_path).last_open_report.manifests_invalid == 1
+    assert ShardStore.open(tmp_path).last_open_report.manifests_invalid == 0
+    sealed = path.read_bytes()
+    # Flip every bit of the signature's last byte: writing a fixed value is a no-op when the byte already has it.
+    path.write_bytes(sealed[:-1] + bytes([sealed[-1] ^ 0xFF]))
+    reopened = ShardStore.open(tmp_path)
+    assert reopened.last_open_report.manifests_invalid == 1 and reopened.last_open_report.manifests_kept == 0
+    assert reopened.get_manifest(signed.manifest_id) is None and not path.exists()
 
 
 def test_gc_keeps_last_k_and_shared_shards(tmp_path):

@@ -1,0 +1,72 @@
+"""Super-seeding: a publisher sends each shard to about one receiver and lets the swarm spread it."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from protocol.manifest import STATUS_OK, STATUS_SEEDED
+
+
+@dataclass
+class Seed:
+    """A manifest this node published, and what it has already sent of it.
+
+    A shard goes out once. A duplicate goes out only to a receiver that has no other source
+    (``fallback``) while no other peer announces the shard, and only once the first copy is
+    overdue: still in flight well past a typical upload (a slow first recipient), or finished
+    longer ago than a Have takes to spread (the recipient left, or its Have was lost). So the
+    publisher's upload stays near one copy of the set, and no shard is stranded with it.
+    """
+
+    num_shards: int
+    reseed_after_s: float
+    sent: list[int] = field(init=False)
+    done_at: list[float] = field(init=False)
+    inflight: dict[int, list[float]] = field(default_factory=dict)
+    """Shard index -> when each of its running uploads began."""
+    recent_upload_s: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+    def __post_init__(self) -> None:
+        self.sent = [0] * self.num_shards
+        self.done_at = [float("-inf")] * self.num_shards
+
+    def slow_after_s(self) -> float:
+        """An upload running this long is overdue: twice the median so far, and never under a second."""
+        typical = statistics.median(self.recent_upload_s) if self.recent_upload_s else 0.0
+        return max(1.0, 2.0 * typical)
+
+    def decide(self, index: int, *, fallback: bool, others_hold: bool, now: float) -> str:
+        """STATUS_OK to send shard ``index`` now, or STATUS_SEEDED to send the requester to the swarm."""
+        first = self.sent[index] == 0 and index not in self.inflight
+        if first:
+            return STATUS_OK
+        if not fallback:
+            return STATUS_SEEDED
+        starts = self.inflight.get(index)
+        if starts:
+            # The newest copy must be overdue too, or every impatient receiver would get one.
+            overdue = now - max(starts) > self.slow_after_s()
+            return STATUS_OK if overdue and not others_hold else STATUS_SEEDED
+        since_s = now - self.done_at[index]
+        # Holders we know of may be unreachable from the asker (failed, overloaded): past a longer wait,
+        # its word that it has no other source wins, so no shard can be stranded (one copy per wait at most).
+        if others_hold:
+            return STATUS_OK if since_s > 4 * self.reseed_after_s else STATUS_SEEDED
+        return STATUS_OK if since_s > self.reseed_after_s else STATUS_SEEDED
+
+    def begin(self, index: int, now: float) -> float:
+        self.inflight.setdefault(index, []).append(now)
+        return now
+
+    def end(self, index: int, started: float, now: float, *, ok: bool) -> None:
+        starts = self.inflight.get(index, [])
+        if started in starts:
+            starts.remove(started)
+        if not starts:
+            self.inflight.pop(index, None)
+        if ok:
+            self.sent[index] += 1
+            self.done_at[index] = now
+            self.recent_upload_s.append(now - started)
