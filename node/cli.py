@@ -39,11 +39,10 @@ def run_cli(fn: Callable[[], Any]) -> Any:
         fail(str(exc))
 
 
-def _control_url(data_dir: Optional[Path], url: Optional[str]) -> str:
-    if url:
-        return url.rstrip("/")
-    from node.daemon import read_ready_file
-    return read_ready_file(data_dir or _data_dir_default())["control_url"]
+def _client(data_dir: Optional[Path], url: Optional[str]):
+    """The running node's control client: its Unix socket, or --url; the token comes from the data dir."""
+    from node.control import client_for
+    return client_for(data_dir or _data_dir_default(), url)
 
 
 def _data_dir_default() -> Path:
@@ -180,8 +179,8 @@ def hw(as_json: bool = typer.Option(False, "--json", help="Print the report as J
 
 
 def _show(endpoint: str, data_dir: Optional[Path], url: Optional[str], as_json: bool, view: str) -> None:
-    from node import control, views
-    data = run_cli(lambda: control.call(_control_url(data_dir, url) + endpoint))
+    from node import views
+    data = run_cli(lambda: _client(data_dir, url).call(endpoint))
     if as_json:
         typer.echo(json.dumps(data, indent=1))
     else:

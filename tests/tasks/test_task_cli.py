@@ -17,7 +17,7 @@ async def test_publish_list_show(network, tmp_path):
     cli = CliRunner()
     async with trio.open_nursery() as nursery:
         node = await Swarm(nursery, tmp_path, network).add("a", join=False)
-        url = ["--url", node.control_url]
+        url = ["--url", node.control_url, "--data-dir", str(node.config.data_dir)]
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["publish", str(EXAMPLE), *url]))
         assert out.exit_code == 0, out.output
         tid = out.stdout.strip().splitlines()[0]
