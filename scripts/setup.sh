@@ -30,3 +30,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q -e '.[test]'
     printf '%s' "$want" > "$stamp"
 fi
+
+# The browser tests drive Debian's Chromium through chromedriver; as root, install them when missing.
+if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium and chromium-driver for the browser tests" >&2
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; then
+        apt-get update -q >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+            || echo "setup: could not install chromium; the browser tests will skip" >&2
+    fi
+fi
