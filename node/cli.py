@@ -201,6 +201,17 @@ def peers(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
     _show("/peers", data_dir, url, as_json, "print_peers")
 
 
+@app.command()
+def dashboard(data_dir: Optional[Path] = DataDir) -> None:
+    """Print the running node's dashboard URL (with its control token: keep it to yourself)."""
+    def go() -> str:
+        from node.control import read_token
+        from node.daemon import read_ready_file
+        directory = data_dir or _data_dir_default()
+        return f"{read_ready_file(directory)['control_url']}/?token={read_token(directory)}"
+    typer.echo(run_cli(go))
+
+
 def main() -> None:
     from node.shard_cli import shard_app
     from node.task_cli import task_app

@@ -16,12 +16,12 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 import trio
 
-from node import hw, identity
+from node import dashboard, hw, identity
 from node.fsutil import write_atomic
 from node.config import NodeConfig
 from node.control import SOCKET_FILE, TOKEN_FILE, Request, Response, ensure_token, serve_control
 from node.membership import Membership, Traffic
-from node.metrics import Sample, render
+from node.metrics import Sample, render, task_samples
 from p2p.api import Host, HostConfig
 from protocol.errors import ConfigError
 from protocol.keys import Keypair
@@ -76,7 +76,8 @@ class Node:
         self.control_refused: Counter[str] = Counter()
         self.routes: dict[str, Callable[[Request], Any]] = {
             "/status": self._status_route, "/peers": self._peers_route, "/metrics": self._metrics_route}
-        self.metric_sources: list[Callable[[], Iterable[Sample]]] = [self._metric_samples]
+        self.routes.update(dashboard.routes(self))
+        self.metric_sources: list[Callable[[], Iterable[Sample]]] = [self._metric_samples, lambda: task_samples(self)]
         self.status_sources: dict[str, Callable[[], Any]] = {}
 
     # -- control API ------------------------------------------------------------------------------
