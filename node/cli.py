@@ -27,6 +27,21 @@ DataDir = typer.Option(None, "--data-dir", help="Node data directory (identity, 
 Url = typer.Option(None, "--url", help="Control API URL of the node (default: found through --data-dir).")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from node.metrics import build_info
+        labels = build_info()[3]
+        typer.echo(f"shoal {labels['version']} (python {labels['python']}, torch {labels['torch']}, "
+                   f"libp2p {labels['libp2p']})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the version (and torch's and libp2p's) and exit.")) -> None:
+    """Shoal: a peer-to-peer compute node for decentralized training."""
+
+
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"shoal: error: {message}", err=True)
     raise typer.Exit(code)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
+import statistics
 import platform
 import time
 import warnings
@@ -15,6 +17,13 @@ BENCH_BUDGET_S = 0.4  # per (device, dtype)
 BENCH_START_SIZE = 128
 BENCH_MAX_SIZE = {"cpu": 2048, "cuda": 8192, "mps": 4096}
 BENCH_MAX_REPS = 50
+BENCH_WINDOW = 3
+"""The benchmark's answer is the median of its last BENCH_WINDOW trials once they agree within BENCH_STABLE_SPREAD."""
+BENCH_STABLE_SPREAD = 0.05
+BENCH_MAX_TRIALS = 12
+BENCH_MAX_BUDGETS = 3
+"""A noisy machine gets more trials, up to this many times the budget, then the figure says how unsure it is."""
+CGROUP_ROOT = "/sys/fs/cgroup"
 SUMMARY_MAX_DEVICES = 16
 SUMMARY_MAX_NAME_CHARS = 40
 
@@ -83,6 +92,19 @@ class BenchResult:
     seconds: float  # time of the measured reps, warm-up excluded
     tflops: float
     error: str | None = None
+    trials: int = 0
+    spread: float | None = None  # (max - min) / median of the trials the figure comes from
+    stable: bool = False  # the last BENCH_WINDOW trials agreed within BENCH_STABLE_SPREAD
+
+
+@dataclass(kw_only=True)
+class CgroupLimits:
+    """What the container (or systemd slice) allows, which may be less than the host has."""
+
+    version: str = ""  # "v2", "v1", or "" where no cgroup limit could be read
+    memory_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    cpus: float | None = None  # CPU quota over period, e.g. 1.5
 
 
 @dataclass(kw_only=True)
@@ -95,6 +117,7 @@ class HardwareReport:
     torch: TorchInfo
     benchmarks: list[BenchResult]
     detect_seconds: float
+    limits: CgroupLimits = field(default_factory=CgroupLimits)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,13 +127,79 @@ def detect(*, benchmark: bool = True) -> HardwareReport:
     """Probe the hardware; never raises for missing drivers or devices, it reports why instead."""
     started = time.perf_counter()
     gpus, gpu_status, nvml_error = detect_gpus()
-    cpu = detect_cpu()
+    limits = read_cgroup_limits()
+    cpu, ram = apply_limits(detect_cpu(), detect_ram(), limits)
     torch_info = detect_torch(cpu_name=cpu.model)
     benchmarks = run_benchmarks(torch_info) if benchmark else []
     return HardwareReport(
-        cpu=cpu, ram=detect_ram(), gpus=gpus, gpu_status=gpu_status, nvml_error=nvml_error, torch=torch_info,
-        benchmarks=benchmarks, detect_seconds=round(time.perf_counter() - started, 3),
+        cpu=cpu, ram=ram, gpus=gpus, gpu_status=gpu_status, nvml_error=nvml_error, torch=torch_info,
+        benchmarks=benchmarks, detect_seconds=round(time.perf_counter() - started, 3), limits=limits,
     )
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs(root: str, controller: str | None, proc_cgroup: str) -> list[str]:
+    """The process's own cgroup directory first, then the root (a container sees its cgroup mounted there)."""
+    dirs = []
+    for line in (_read(proc_cgroup) or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if (controller is None and hierarchy == "0" and controllers == "") or \
+                (controller is not None and controller in controllers.split(",")):
+            base = root if controller is None else os.path.join(root, controller)
+            dirs.append(os.path.join(base, path.lstrip("/")))
+    dirs.append(root if controller is None else os.path.join(root, controller))
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def read_cgroup_limits(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> CgroupLimits:
+    """Memory and CPU limits from cgroup v2 (memory.max, cpu.max) or v1 (memory.limit_in_bytes, cfs quota)."""
+    def number(text: str | None) -> int | None:
+        return int(text) if text is not None and text.lstrip("-").isdigit() else None
+
+    if os.path.exists(os.path.join(root, "cgroup.controllers")):
+        limits = CgroupLimits(version="v2")
+        for d in _cgroup_dirs(root, None, proc_cgroup):
+            mem = number(_read(os.path.join(d, "memory.max")))
+            if mem is not None and limits.memory_bytes is None:
+                limits.memory_bytes = mem
+                limits.memory_used_bytes = number(_read(os.path.join(d, "memory.current")))
+            quota, _, period = (_read(os.path.join(d, "cpu.max")) or "").partition(" ")
+            if quota.isdigit() and period.isdigit() and int(period) > 0 and limits.cpus is None:
+                limits.cpus = int(quota) / int(period)
+        return limits
+    if not os.path.isdir(os.path.join(root, "memory")) and not os.path.isdir(os.path.join(root, "cpu")):
+        return CgroupLimits()
+    limits = CgroupLimits(version="v1")
+    for d in _cgroup_dirs(root, "memory", proc_cgroup):
+        mem = number(_read(os.path.join(d, "memory.limit_in_bytes")))
+        if mem is not None and mem < 2**62 and limits.memory_bytes is None:  # "no limit" reads as ~2^63
+            limits.memory_bytes = mem
+            limits.memory_used_bytes = number(_read(os.path.join(d, "memory.usage_in_bytes")))
+    for d in _cgroup_dirs(root, "cpu", proc_cgroup):
+        quota = number(_read(os.path.join(d, "cpu.cfs_quota_us")))
+        period = number(_read(os.path.join(d, "cpu.cfs_period_us")))
+        if quota is not None and quota > 0 and period and limits.cpus is None:
+            limits.cpus = quota / period
+    return limits
+
+
+def apply_limits(cpu: CpuInfo, ram: RamInfo, limits: CgroupLimits) -> tuple[CpuInfo, RamInfo]:
+    """The host's figures narrowed to what the cgroup allows: what a task may really use here."""
+    if limits.memory_bytes is not None and limits.memory_bytes < ram.total_bytes:
+        free_in_limit = limits.memory_bytes - (limits.memory_used_bytes or 0)
+        ram = RamInfo(total_bytes=limits.memory_bytes,
+                      available_bytes=max(0, min(ram.available_bytes, free_in_limit)))
+    if limits.cpus is not None:
+        cpu = dataclasses.replace(cpu, usable_cores=max(1, min(cpu.usable_cores, math.ceil(limits.cpus))))
+    return cpu, ram
 
 
 def summary(report: HardwareReport) -> dict:
@@ -316,15 +405,29 @@ def benchmark_matmul(torch, device: str, dtype_name: str, budget_s: float) -> Be
             if size >= max_size or seconds >= budget_s / 20 or not next_size_fits:
                 break
             size *= 2
-        remaining_s = max(deadline - time.perf_counter(), seconds)
-        reps = max(1, min(BENCH_MAX_REPS, int(remaining_s / max(seconds, 1e-9))))
-        seconds = _timed(torch, device, a, b, reps=reps)
+        # Trials of equal length until the last few agree: a shared or throttling machine gets more
+        # of them (bounded), and the answer says how sure it is.
+        trial_s = budget_s / 6
+        reps = max(1, min(BENCH_MAX_REPS, int(trial_s / max(seconds, 1e-9))))
+        give_up = time.perf_counter() + budget_s * BENCH_MAX_BUDGETS
+        rates: list[float] = []
+        total_s = 0.0
+        while True:
+            t = _timed(torch, device, a, b, reps=reps)
+            total_s += t
+            rates.append(2 * size**3 * reps / max(t, 1e-9) / 1e12)
+            window = rates[-BENCH_WINDOW:]
+            median = statistics.median(window)
+            spread = (max(window) - min(window)) / median if median > 0 else 1.0
+            stable = len(window) == BENCH_WINDOW and spread <= BENCH_STABLE_SPREAD
+            if stable or len(rates) >= BENCH_MAX_TRIALS or time.perf_counter() > give_up:
+                break
     except RuntimeError as error:  # out of memory, or bf16 kernels missing on this device
         return BenchResult(device=device, dtype=dtype_name, size=size, reps=0, seconds=0.0, tflops=0.0,
                            error=_first_line(error))
     # Significant digits, not decimals: a busy or slow CPU still reports a non-zero rate.
-    tflops = float(f"{2 * size**3 * reps / max(seconds, 1e-9) / 1e12:.4g}")
-    return BenchResult(device=device, dtype=dtype_name, size=size, reps=reps, seconds=round(seconds, 4), tflops=tflops)
+    return BenchResult(device=device, dtype=dtype_name, size=size, reps=reps * len(rates), seconds=round(total_s, 4),
+                       tflops=float(f"{median:.4g}"), trials=len(rates), spread=round(spread, 4), stable=stable)
 
 
 def _timed(torch, device: str, a, b, reps: int) -> float:
@@ -352,6 +455,11 @@ def render(report: HardwareReport, console) -> None:
     cpu = report.cpu
     host.add_row("Cores", f"{cpu.physical_cores} physical, {cpu.logical_cores} logical, {cpu.usable_cores} usable")
     host.add_row("RAM", f"{_gib(report.ram.total_bytes)} total, {_gib(report.ram.available_bytes)} available")
+    lim = report.limits
+    if lim.memory_bytes is not None or lim.cpus is not None:
+        parts = ([f"memory {_gib(lim.memory_bytes)}"] if lim.memory_bytes is not None else []) + \
+                ([f"{lim.cpus:g} CPUs"] if lim.cpus is not None else [])
+        host.add_row("Limits", f"cgroup {lim.version}: {', '.join(parts)} (the figures above are narrowed to it)")
     host.add_row("torch", f"{report.torch.version or 'missing'} (CUDA {report.torch.cuda_version or 'none'})")
     console.print(host)
 
@@ -378,11 +486,13 @@ def render(report: HardwareReport, console) -> None:
         console.print(f"[yellow]torch:[/yellow] {escape(report.torch.error)}")
 
     if report.benchmarks:
-        bench = _table("matmul benchmark", "Device", "dtype", "n", "reps", "seconds", "TFLOP/s")
+        bench = _table("matmul benchmark", "Device", "dtype", "n", "reps", "seconds", "TFLOP/s", "trials", "sure")
         for result in report.benchmarks:
             tflops = f"[red]{escape(result.error)}[/red]" if result.error else f"{result.tflops:.3g}"
             sizes = (str(result.size), str(result.reps), f"{result.seconds:.3f}")
-            bench.add_row(result.device, result.dtype, *sizes, tflops)
+            sure = "-" if result.spread is None else (
+                f"±{result.spread * 50:.1f}%" + ("" if result.stable else " [yellow](noisy)[/yellow]"))
+            bench.add_row(result.device, result.dtype, *sizes, tflops, str(result.trials), sure)
         console.print(bench)
     console.print(f"detected in {report.detect_seconds:.2f} s")
 

@@ -125,9 +125,10 @@ def task_samples(node) -> Iterable[Sample]:
         if steps and train_s > 0:
             yield ("shoal_task_inner_steps_per_second", "gauge", "Inner steps per second of training, all rounds",
                    task, steps * len(trained) / train_s)
-        if t.get("round_seconds"):
-            yield ("shoal_task_training_share", "gauge", "Share of round wall time this node spent training",
-                   task, t.get("train_seconds", 0.0) / t["round_seconds"])
+        round_s = sum(a.get("round_s", 0.0) for a in rounds)
+        if round_s > 0:  # closed rounds only: the open one has training time but no round time yet
+            yield ("shoal_task_training_share", "gauge", "Share of closed rounds' wall time this node trained",
+                   task, sum(a.get("train_s", 0.0) for a in rounds) / round_s)
         yield ("shoal_task_train_seconds_total", "counter", "Seconds the trainer child trained", task,
                t.get("train_seconds", 0.0))
         outcomes = {"agreed": 0, "dissent": 0, "caught_up": 0}

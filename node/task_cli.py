@@ -38,18 +38,18 @@ def list_tasks(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
     if as_json:
         typer.echo(json.dumps(data, indent=1))
         return
-    if not data["tasks"]:
-        typer.echo("no tasks")
-    for t in data["tasks"]:
-        loss = t.get("eval_loss")
-        typer.echo(f"{t['id'][:16]}  {t['name']:<24} {t['decision']:<9} "
-                   f"{t.get('phase', '') or t.get('reason', '')}  round {t.get('round')}/{t.get('rounds', '-')}  "
-                   f"members {len(t.get('members', []))}  eval_loss {'-' if loss is None else f'{loss:.4f}'}")
+    from node.views import print_task_list
+    print_task_list(data)
 
 
 @task_app.command()
 def show(task_id: str = typer.Argument(..., help="Task id or a unique prefix (at least 4 characters)."),
-         data_dir: Optional[Path] = DataDir, url: Optional[str] = Url) -> None:
+         data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
+         as_json: bool = typer.Option(False, "--json", help="Print the raw JSON instead of tables.")) -> None:
     """Everything about one task: spec, phase, round, members, losses, weights agreement, traffic."""
     data = run_cli(lambda: _client(data_dir, url).call(f"/task?id={task_id}"))
-    typer.echo(json.dumps(data, indent=1))
+    if as_json:
+        typer.echo(json.dumps(data, indent=1))
+        return
+    from node.views import print_task
+    print_task(data)

@@ -51,7 +51,7 @@ function renderPeers(peers) {
     const hw = p.hardware;
     return row([el("td", {class: "mono", text: short(p.peer_id), title: p.peer_id}),
       el("td", {class: p.state, text: p.state + (p.connected ? "" : " (not connected)")}),
-      `${hw.devices.join(", ") || "-"}; ${gib(hw.memory_bytes)}`, hw.tflops.toPrecision(3),
+      `${hw.devices.join(", ") || "-"}; ${gib(hw.memory_bytes)}`, hw.tflops > 0 ? hw.tflops.toPrecision(3) : "not measured",
       el("td", {class: "mono", text: p.addrs.length ? p.addrs[0].split("/p2p/")[0] : "-"}),
       p.score.toFixed(0), p.last_seen_s.toFixed(1) + " s ago", p.status || ""]);
   }));
@@ -80,7 +80,9 @@ function curve(points) {
 
 function renderTask(t) {
   const card = el("div", {class: "task", "data-task": t.id});
-  const share = t.round_seconds ? (100 * t.train_seconds / t.round_seconds).toFixed(0) + "%" : "-";
+  // Over closed rounds only: the round in progress has training time but no round time yet.
+  const closed = t.agreement || [], trainS = closed.reduce((a, r) => a + r.train_s, 0), roundS = closed.reduce((a, r) => a + r.round_s, 0);
+  const share = roundS ? (100 * trainS / roundS).toFixed(0) + "%" : "-";
   const rejected = Object.entries(t.dropped || {}).map(([k, v]) => `${k}: ${v}`).join(", ") || "none";
   card.append(el("h3", {}, `${t.name} `, el("span", {class: "mono muted", text: t.id.slice(0, 12)})));
   const facts = t.decision !== "joined" ? [["declined", t.reason]] : [
@@ -97,7 +99,7 @@ function renderTask(t) {
   for (const a of [...(t.agreement || [])].reverse()) {
     tb.append(row([a.round, el("td", {class: a.agreed ? "yes" : "no", text: a.caught_up ? "caught up" : a.agreed ? "yes" : "no"}),
       a.peers_agreeing ?? "-", a.members, a.eval_loss.toFixed(4), a.train_s.toFixed(1), a.round_s.toFixed(1),
-      el("td", {class: "mono", text: a.weights_hash})]));
+      el("td", {class: "mono", text: a.weights_hash.slice(0, 10)})]));
   }
   rounds.append(tb);
   card.append(el("div", {class: "cols"}, curve(t.eval_losses || []), el("div", {class: "scroll"}, rounds)), members);

@@ -46,9 +46,9 @@ async def start_with_shardcast(nursery, config):
 
 async def test_status_peers_and_metrics_with_the_token(network, tmp_path):
     async with trio.open_nursery() as nursery:
-        a, _ = await start_node(nursery, fast_config(tmp_path / "a", **CALM), network.open_host)
-        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=a.host.listen_addrs(), **CALM),
-                                network.open_host)
+        a, _ = await start_node(nursery, fast_config(tmp_path / "a", mdns=False, **CALM))
+        b, _ = await start_node(nursery, fast_config(tmp_path / "b", mdns=False, bootstrap=a.host.listen_addrs(),
+                                                     **CALM))
         await wait_until(lambda: a.membership.table.alive() == [b.keypair.peer_id])
         client = ControlClient(token=a.control_token, url=a.control_url)
         status = await trio.to_thread.run_sync(client.call, "/status")
