@@ -132,8 +132,8 @@ def relay_stderr_as_json(logger: str) -> int:
 class QuietLibp2p(logging.Filter):
     """py-libp2p logs a failed redial of a known peer as ERROR; it is routine (the peer is away), so DEBUG."""
 
-    ROUTINE = ("failed to dial", "dial failed", "connection refused", "failed to connect", "unable to connect",
-               "no addresses", "could not connect", "all dial attempts failed", "connection closed")
+    ROUTINE = ("failed to open tcp stream", "all attempts to connect", "failed to dial", "dial failed",
+               "connection refused", "failed to connect", "unable to connect", "all dial attempts failed")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING and record.name.startswith("libp2p"):
