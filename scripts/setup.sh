@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV_DIR:-.venv}"
-TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+# The torch pin lives in scripts/torch.txt, which the Dockerfile reads too: one policy for both.
+TORCH_SPEC="${TORCH_SPEC:-$(cat scripts/torch.txt)}"
 
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
     echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2
