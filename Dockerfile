@@ -11,8 +11,9 @@
 ARG BASE=python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
-# libp2p pulls in fastecdsa, which builds from source against GMP: compilers live in this stage only.
-RUN apt-get update && apt-get install -y --no-install-recommends build-essential libgmp-dev \
+# libp2p pulls in fastecdsa, which builds from source against GMP and the Python headers: compilers and
+# headers live in this stage only.
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential libgmp-dev python3-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
