@@ -110,7 +110,14 @@ def task_summaries(node) -> list[dict]:
 
 
 def task_samples(node) -> Iterable[Sample]:
-    for t in task_summaries(node):
+    summaries = task_summaries(node)
+    decisions: dict[str, int] = defaultdict(int)
+    for t in summaries:
+        decisions[t.get("decision", "unknown")] += 1
+    for decision, n in decisions.items():
+        yield "shoal_tasks", "gauge", "Tasks this node knows, by decision (joined, declined, failed)", \
+            {"decision": decision}, n
+    for t in summaries:
         if t.get("decision") != "joined" or t.get("round") is None:
             continue
         task = {"task": t["id"]}

@@ -85,7 +85,7 @@ function renderTask(t) {
   const share = roundS ? (100 * trainS / roundS).toFixed(0) + "%" : "-";
   const rejected = Object.entries(t.dropped || {}).map(([k, v]) => `${k}: ${v}`).join(", ") || "none";
   card.append(el("h3", {}, `${t.name} `, el("span", {class: "mono muted", text: t.id.slice(0, 12)})));
-  const facts = t.decision !== "joined" ? [["declined", t.reason]] : [
+  const facts = t.decision !== "joined" ? [[t.decision, t.reason]] : [
     ["phase", t.phase + (t.detail ? ` (${t.detail})` : "")], ["round", `${t.round ?? "-"} / ${t.rounds}`],
     ["eval loss", t.eval_loss == null ? "-" : t.eval_loss.toFixed(4)], ["members", (t.members || []).length],
     ["training share (this node)", share], ["bytes", `${mb(t.bytes.sent)} out, ${mb(t.bytes.received)} in`],
