@@ -19,6 +19,8 @@ from protocol.errors import ShoalError
 log = logging.getLogger("shoal.shardcast")
 
 MAX_UPLOAD_BYTES = 64 * 2**30
+MAX_FETCHES_SHOWN = 8
+"""Fetch jobs listed in /status (the newest): the dashboard's shard progress."""
 
 
 @dataclass
@@ -128,7 +130,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         s = service.statistics()
         return {"bytes_served": s.bytes_served, "bytes_fetched": s.bytes_fetched, "shards_served": s.shards_served,
                 "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
-                "manifests": len(store.manifest_ids())}
+                "manifests": len(store.manifest_ids()),
+                "fetches": [asdict(j) for j in list(jobs.values())[-MAX_FETCHES_SHOWN:]]}
 
     def samples():
         s = service.statistics()
