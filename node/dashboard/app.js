@@ -43,6 +43,18 @@ function renderNode(n) {
     ...[["manifests held", sc.manifests], ["shards served", sc.shards_served], ["served", mb(sc.bytes_served)],
         ["shards fetched", sc.shards_fetched], ["fetched", mb(sc.bytes_fetched)], ["rejected", rejected]]
       .map(([k, v]) => el("span", {}, el("b", {text: k}), String(v)))));
+  const fetches = sc.fetches || [];
+  if (fetches.length) {
+    const table = el("table", {}, el("thead", {}, row(["fetch", "state", "progress", "rate", "sources", "seconds"].map((h) => el("th", {text: h})))));
+    const tb = el("tbody");
+    for (const f of [...fetches].reverse()) {
+      const pct = f.bytes_total ? (100 * f.bytes_done / f.bytes_total).toFixed(0) + "%" : "-";
+      tb.append(row([el("td", {class: "mono", text: f.manifest_id.slice(0, 12)}), f.state + (f.error ? ": " + f.error : ""),
+        `${pct} of ${mb(f.bytes_total)}`, (f.bytes_per_s / 1e6).toFixed(1) + " MB/s", f.num_sources, f.seconds.toFixed(1)]));
+    }
+    table.append(tb);
+    shards.append(table);
+  }
 }
 
 function renderPeers(peers) {
