@@ -95,6 +95,8 @@ def start(
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    from node.logs import close_stderr_relay
+    close_stderr_relay()
     os._exit(code)
 
 

@@ -112,6 +112,10 @@ def relay_stderr_as_json(logger: str) -> int:
 
     def drain() -> None:
         # Close every write end of the pipe this process holds so the pump sees EOF, then let it finish.
+        global _drain
+        if _drain is None:
+            return
+        _drain = None
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
         with contextlib.suppress(OSError):
@@ -125,8 +129,19 @@ def relay_stderr_as_json(logger: str) -> int:
         with contextlib.suppress(OSError, ValueError):
             out.flush()
 
+    global _drain
+    _drain = drain
     atexit.register(drain)
     return real
+
+
+_drain = None
+
+
+def close_stderr_relay() -> None:
+    """Write out what the relay still holds; for a process that leaves with os._exit (no atexit)."""
+    if _drain is not None:
+        _drain()
 
 
 class QuietLibp2p(logging.Filter):
