@@ -27,6 +27,21 @@ DataDir = typer.Option(None, "--data-dir", help="Node data directory (identity, 
 Url = typer.Option(None, "--url", help="Control API URL of the node (default: found through --data-dir).")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from node.metrics import build_info
+        labels = build_info()[3]
+        typer.echo(f"shoal {labels['version']} (python {labels['python']}, torch {labels['torch']}, "
+                   f"libp2p {labels['libp2p']})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the version (and torch's and libp2p's) and exit.")) -> None:
+    """Shoal: a peer-to-peer compute node for decentralized training."""
+
+
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"shoal: error: {message}", err=True)
     raise typer.Exit(code)
@@ -39,11 +54,10 @@ def run_cli(fn: Callable[[], Any]) -> Any:
         fail(str(exc))
 
 
-def _control_url(data_dir: Optional[Path], url: Optional[str]) -> str:
-    if url:
-        return url.rstrip("/")
-    from node.daemon import read_ready_file
-    return read_ready_file(data_dir or _data_dir_default())["control_url"]
+def _client(data_dir: Optional[Path], url: Optional[str]):
+    """The running node's control client: its Unix socket, or --url; the token comes from the data dir."""
+    from node.control import client_for
+    return client_for(data_dir or _data_dir_default(), url)
 
 
 def _data_dir_default() -> Path:
@@ -81,6 +95,8 @@ def start(
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    from node.logs import close_stderr_relay
+    close_stderr_relay()
     os._exit(code)
 
 
@@ -180,8 +196,8 @@ def hw(as_json: bool = typer.Option(False, "--json", help="Print the report as J
 
 
 def _show(endpoint: str, data_dir: Optional[Path], url: Optional[str], as_json: bool, view: str) -> None:
-    from node import control, views
-    data = run_cli(lambda: control.call(_control_url(data_dir, url) + endpoint))
+    from node import views
+    data = run_cli(lambda: _client(data_dir, url).call(endpoint))
     if as_json:
         typer.echo(json.dumps(data, indent=1))
     else:
@@ -200,6 +216,17 @@ def peers(data_dir: Optional[Path] = DataDir, url: Optional[str] = Url,
           as_json: bool = typer.Option(False, "--json")) -> None:
     """List the peers the running node knows, with state and hardware."""
     _show("/peers", data_dir, url, as_json, "print_peers")
+
+
+@app.command()
+def dashboard(data_dir: Optional[Path] = DataDir) -> None:
+    """Print the running node's dashboard URL (with its control token: keep it to yourself)."""
+    def go() -> str:
+        from node.control import read_token
+        from node.daemon import read_ready_file
+        directory = data_dir or _data_dir_default()
+        return f"{read_ready_file(directory)['control_url']}/?token={read_token(directory)}"
+    typer.echo(run_cli(go))
 
 
 def main() -> None:

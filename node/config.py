@@ -31,6 +31,10 @@ class NodeConfig:
     mdns: bool = False
     control_host: str = "127.0.0.1"
     control_port: int = 7070
+    metrics_listen: str = ""
+    """HOST:PORT where /metrics alone is also served (token required), e.g. 0.0.0.0:9464 in a container."""
+    publish_dir: str = ""
+    """A directory whose files `POST /shard/publish {"path": ...}` may read; unset: files come by upload only."""
     roles: list[str] = field(default_factory=lambda: ["trainer"])
     heartbeat_interval_s: float = 2.0
     suspect_after_s: float = 5.0
@@ -65,7 +69,11 @@ class NodeConfig:
         need(self.bootstrap_retry_s > 0, "bootstrap_retry_s", "must be a positive number of seconds")
         need(0 <= self.control_port <= 65535, "control_port", "must be a TCP port (0 picks a free one)")
         need(self.control_host in ("127.0.0.1", "::1", "localhost"), "control_host",
-             "the control API has no authentication and binds to loopback only: use 127.0.0.1")
+             "the control API binds to loopback only: use 127.0.0.1 (metrics_listen exposes /metrics elsewhere)")
+        if self.metrics_listen:
+            host, _, port = self.metrics_listen.rpartition(":")
+            need(bool(host) and port.isdigit() and int(port) <= 65535, "metrics_listen",
+                 "must be HOST:PORT, e.g. 0.0.0.0:9464")
         need(1 <= self.max_peers <= 10_000, "max_peers", "must be between 1 and 10000")
         need(1 <= self.max_tasks <= 64, "max_tasks", "must be between 1 and 64")
         need(self.gossip_rate_per_s > 0 and self.gossip_burst >= 1, "gossip_rate_per_s",

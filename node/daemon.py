@@ -7,19 +7,21 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from contextlib import asynccontextmanager, contextmanager
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 import trio
 
-from node import hw, identity
+from node import dashboard, hw, identity
 from node.fsutil import write_atomic
 from node.config import NodeConfig
-from node.control import Request, Response, serve_control
+from node.control import SOCKET_FILE, TOKEN_FILE, Request, Response, ensure_token, serve_control
 from node.membership import Membership, Traffic
-from node.metrics import Sample, render
+from node.metrics import Sample, render, task_samples
 from p2p.api import Host, HostConfig
 from protocol.errors import ConfigError
 from protocol.keys import Keypair
@@ -70,9 +72,12 @@ class Node:
         self.membership = Membership(config=config, keypair=keypair, host=host, hardware=hardware,
                                      version=version(), traffic=self.traffic)
         self.control_url = ""
+        self.control_token = ""
+        self.control_refused: Counter[str] = Counter()
         self.routes: dict[str, Callable[[Request], Any]] = {
             "/status": self._status_route, "/peers": self._peers_route, "/metrics": self._metrics_route}
-        self.metric_sources: list[Callable[[], Iterable[Sample]]] = [self._metric_samples]
+        self.routes.update(dashboard.routes(self))
+        self.metric_sources: list[Callable[[], Iterable[Sample]]] = [self._metric_samples, lambda: task_samples(self)]
         self.status_sources: dict[str, Callable[[], Any]] = {}
 
     # -- control API ------------------------------------------------------------------------------
@@ -154,6 +159,9 @@ class Node:
         for reason, n in stats.offences.items():
             yield ("shoal_host_refused_total", "counter", "Input refused inside the libp2p host, by reason",
                    {"reason": reason}, n)
+        for reason, n in self.control_refused.items():
+            yield ("shoal_control_refused_total", "counter", "Control API requests refused before any route ran",
+                   {"reason": reason}, n)
 
 
 ServiceFactory = Callable[[Node, trio.Nursery], Any]
@@ -187,14 +195,20 @@ async def run_node(config: NodeConfig, *, services: Iterable[ServiceFactory] = (
             ready_path = config.data_dir / READY_FILE
             try:
                 async with trio.open_nursery() as nursery:
-                    port = await nursery.start(serve_control, config.control_host, config.control_port,
-                                               node.routes)
+                    node.control_token = ensure_token(config.data_dir)
+                    port = await nursery.start(partial(
+                        serve_control, config.control_host, config.control_port, node.routes,
+                        token=node.control_token, unix_path=config.data_dir / SOCKET_FILE,
+                        metrics_listen=config.metrics_listen, refused=node.control_refused))
                     node.control_url = f"http://{config.control_host}:{port}"
+                    log.info("control API token in %s (the CLI reads it there; `shoal dashboard` prints the "
+                             "dashboard's URL)", config.data_dir / TOKEN_FILE)
                     await nursery.start(node.membership.run)
                     for start_service in services:
                         await start_service(node, nursery)
                     write_json_atomic(ready_path, {
                         "peer_id": keypair.peer_id, "pid": os.getpid(), "control_url": node.control_url,
+                        "control_socket": str(config.data_dir / SOCKET_FILE),
                         "addrs": list(node.membership.advertised_addrs()), "started_at": node.started_at})
                     log.info("ready: %s, control API %s", ", ".join(host.listen_addrs()), node.control_url)
                     task_status.started(node)

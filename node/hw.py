@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
+import statistics
 import platform
 import time
 import warnings
 from dataclasses import dataclass, field
+
+from node.cgroups import CgroupLimits, read_cgroup_limits
 
 # The benchmark must stay short enough to run at daemon start on a small CPU box.
 BENCH_BUDGET_S = 0.4  # per (device, dtype)
 BENCH_START_SIZE = 128
 BENCH_MAX_SIZE = {"cpu": 2048, "cuda": 8192, "mps": 4096}
 BENCH_MAX_REPS = 50
+BENCH_WINDOW = 3
+"""The benchmark's answer is the median of its last BENCH_WINDOW trials once they agree within BENCH_STABLE_SPREAD."""
+BENCH_STABLE_SPREAD = 0.05
+BENCH_MAX_TRIALS = 12
+BENCH_MAX_BUDGETS = 3
+"""A noisy machine gets more trials, up to this many times the budget, then the figure says how unsure it is."""
 SUMMARY_MAX_DEVICES = 16
 SUMMARY_MAX_NAME_CHARS = 40
 
@@ -83,6 +93,9 @@ class BenchResult:
     seconds: float  # time of the measured reps, warm-up excluded
     tflops: float
     error: str | None = None
+    trials: int = 0
+    spread: float | None = None  # (max - min) / median of the trials the figure comes from
+    stable: bool = False  # the last BENCH_WINDOW trials agreed within BENCH_STABLE_SPREAD
 
 
 @dataclass(kw_only=True)
@@ -95,6 +108,7 @@ class HardwareReport:
     torch: TorchInfo
     benchmarks: list[BenchResult]
     detect_seconds: float
+    limits: CgroupLimits = field(default_factory=CgroupLimits)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,13 +118,25 @@ def detect(*, benchmark: bool = True) -> HardwareReport:
     """Probe the hardware; never raises for missing drivers or devices, it reports why instead."""
     started = time.perf_counter()
     gpus, gpu_status, nvml_error = detect_gpus()
-    cpu = detect_cpu()
+    limits = read_cgroup_limits()
+    cpu, ram = apply_limits(detect_cpu(), detect_ram(), limits)
     torch_info = detect_torch(cpu_name=cpu.model)
     benchmarks = run_benchmarks(torch_info) if benchmark else []
     return HardwareReport(
-        cpu=cpu, ram=detect_ram(), gpus=gpus, gpu_status=gpu_status, nvml_error=nvml_error, torch=torch_info,
-        benchmarks=benchmarks, detect_seconds=round(time.perf_counter() - started, 3),
+        cpu=cpu, ram=ram, gpus=gpus, gpu_status=gpu_status, nvml_error=nvml_error, torch=torch_info,
+        benchmarks=benchmarks, detect_seconds=round(time.perf_counter() - started, 3), limits=limits,
     )
+
+
+def apply_limits(cpu: CpuInfo, ram: RamInfo, limits: CgroupLimits) -> tuple[CpuInfo, RamInfo]:
+    """The host's figures narrowed to what the cgroup allows: what a task may really use here."""
+    if limits.memory_bytes is not None and limits.memory_bytes < ram.total_bytes:
+        free_in_limit = limits.memory_bytes - (limits.memory_used_bytes or 0)
+        ram = RamInfo(total_bytes=limits.memory_bytes,
+                      available_bytes=max(0, min(ram.available_bytes, free_in_limit)))
+    if limits.cpus is not None:
+        cpu = dataclasses.replace(cpu, usable_cores=max(1, min(cpu.usable_cores, math.ceil(limits.cpus))))
+    return cpu, ram
 
 
 def summary(report: HardwareReport) -> dict:
@@ -316,15 +342,29 @@ def benchmark_matmul(torch, device: str, dtype_name: str, budget_s: float) -> Be
             if size >= max_size or seconds >= budget_s / 20 or not next_size_fits:
                 break
             size *= 2
-        remaining_s = max(deadline - time.perf_counter(), seconds)
-        reps = max(1, min(BENCH_MAX_REPS, int(remaining_s / max(seconds, 1e-9))))
-        seconds = _timed(torch, device, a, b, reps=reps)
+        # Trials of equal length until the last few agree: a shared or throttling machine gets more
+        # of them (bounded), and the answer says how sure it is.
+        trial_s = budget_s / 6
+        reps = max(1, min(BENCH_MAX_REPS, int(trial_s / max(seconds, 1e-9))))
+        give_up = time.perf_counter() + budget_s * BENCH_MAX_BUDGETS
+        rates: list[float] = []
+        total_s = 0.0
+        while True:
+            t = _timed(torch, device, a, b, reps=reps)
+            total_s += t
+            rates.append(2 * size**3 * reps / max(t, 1e-9) / 1e12)
+            window = rates[-BENCH_WINDOW:]
+            median = statistics.median(window)
+            spread = (max(window) - min(window)) / median if median > 0 else 1.0
+            stable = len(window) == BENCH_WINDOW and spread <= BENCH_STABLE_SPREAD
+            if stable or len(rates) >= BENCH_MAX_TRIALS or time.perf_counter() > give_up:
+                break
     except RuntimeError as error:  # out of memory, or bf16 kernels missing on this device
         return BenchResult(device=device, dtype=dtype_name, size=size, reps=0, seconds=0.0, tflops=0.0,
                            error=_first_line(error))
     # Significant digits, not decimals: a busy or slow CPU still reports a non-zero rate.
-    tflops = float(f"{2 * size**3 * reps / max(seconds, 1e-9) / 1e12:.4g}")
-    return BenchResult(device=device, dtype=dtype_name, size=size, reps=reps, seconds=round(seconds, 4), tflops=tflops)
+    return BenchResult(device=device, dtype=dtype_name, size=size, reps=reps * len(rates), seconds=round(total_s, 4),
+                       tflops=float(f"{median:.4g}"), trials=len(rates), spread=round(spread, 4), stable=stable)
 
 
 def _timed(torch, device: str, a, b, reps: int) -> float:
@@ -352,6 +392,11 @@ def render(report: HardwareReport, console) -> None:
     cpu = report.cpu
     host.add_row("Cores", f"{cpu.physical_cores} physical, {cpu.logical_cores} logical, {cpu.usable_cores} usable")
     host.add_row("RAM", f"{_gib(report.ram.total_bytes)} total, {_gib(report.ram.available_bytes)} available")
+    lim = report.limits
+    if lim.memory_bytes is not None or lim.cpus is not None:
+        parts = ([f"memory {_gib(lim.memory_bytes)}"] if lim.memory_bytes is not None else []) + \
+                ([f"{lim.cpus:g} CPUs"] if lim.cpus is not None else [])
+        host.add_row("Limits", f"cgroup {lim.version}: {', '.join(parts)} (the figures above are narrowed to it)")
     host.add_row("torch", f"{report.torch.version or 'missing'} (CUDA {report.torch.cuda_version or 'none'})")
     console.print(host)
 
@@ -378,11 +423,13 @@ def render(report: HardwareReport, console) -> None:
         console.print(f"[yellow]torch:[/yellow] {escape(report.torch.error)}")
 
     if report.benchmarks:
-        bench = _table("matmul benchmark", "Device", "dtype", "n", "reps", "seconds", "TFLOP/s")
+        bench = _table("matmul benchmark", "Device", "dtype", "n", "reps", "seconds", "TFLOP/s", "trials", "sure")
         for result in report.benchmarks:
             tflops = f"[red]{escape(result.error)}[/red]" if result.error else f"{result.tflops:.3g}"
             sizes = (str(result.size), str(result.reps), f"{result.seconds:.3f}")
-            bench.add_row(result.device, result.dtype, *sizes, tflops)
+            sure = "-" if result.spread is None else (
+                f"±{result.spread * 50:.1f}%" + ("" if result.stable else " [yellow](noisy)[/yellow]"))
+            bench.add_row(result.device, result.dtype, *sizes, tflops, str(result.trials), sure)
         console.print(bench)
     console.print(f"detected in {report.detect_seconds:.2f} s")
 

@@ -13,9 +13,14 @@ from node.control import HttpError, Request, Response
 from node.shardcast.fetcher import FetchProgress
 from node.shardcast.service import ShardcastConfig, ShardcastService
 from node.shardcast.store import ShardStore
+from node.uploads import Uploads, allowed_path
 from protocol.errors import ShoalError
 
 log = logging.getLogger("shoal.shardcast")
+
+MAX_UPLOAD_BYTES = 64 * 2**30
+MAX_FETCHES_SHOWN = 8
+"""Fetch jobs listed in /status (the newest): the dashboard's shard progress."""
 
 
 @dataclass
@@ -53,13 +58,37 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
     node.shardcast = service
     jobs: dict[str, FetchJob] = {}
 
-    async def publish(request: Request) -> Response:
+    uploads = Uploads(node.config.data_dir / "uploads", max_bytes=MAX_UPLOAD_BYTES)
+
+    async def upload(request: Request) -> Response:
         if request.method != "POST":
-            raise HttpError(405, "POST a JSON body {\"path\": \"/abs/path\"}")
-        path = Path(str(request.json().get("path", "")))
-        if not path.is_absolute() or not path.is_file():
-            raise HttpError(400, f"{path} is not an existing file (give an absolute path)")
-        manifest = await service.publish_file(path)
+            raise HttpError(405, "POST {\"name\", \"bytes\"} to begin, then {\"upload_id\", \"offset\", \"data\"}")
+        body = request.json()
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        if "upload_id" not in body:
+            return Response.json({"upload_id": uploads.begin(body.get("name"), body.get("bytes")).upload_id})
+        item = uploads.get(body["upload_id"])
+        await trio.to_thread.run_sync(uploads.append, item, body.get("offset"), body.get("data"))
+        return Response.json({"upload_id": item.upload_id, "received": item.received})
+
+    async def publish(request: Request) -> Response:
+        # Content arrives by upload; a path is read only under the operator's publish_dir, never the data dir.
+        if request.method != "POST":
+            raise HttpError(405, "POST {\"upload_id\", \"sha256\"} after an upload (or {\"path\"} under publish_dir)")
+        body = request.json()
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        if "upload_id" in body:
+            item = uploads.finish(uploads.get(body["upload_id"]), body.get("sha256"))
+            try:
+                manifest = await service.publish_file(item.path, label=item.name)
+            finally:
+                uploads.discard(item.upload_id)
+        else:
+            path = allowed_path(body.get("path", ""), publish_dir=node.config.publish_dir,
+                                data_dir=node.config.data_dir)
+            manifest = await service.publish_file(path)
         from protocol.manifest import manifest_id
         return Response.json({"manifest_id": manifest_id(manifest).hex(), "bytes": manifest.total_bytes,
                               "shards": manifest.num_shards, "label": manifest.label})
@@ -106,7 +135,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
                 "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
                 "requests_rejected": s.requests_rejected, "limits_hit": s.limits_hit,
                 "local_corruptions": s.local_corruptions,
-                "manifests": len(store.manifest_ids())}
+                "manifests": len(store.manifest_ids()),
+                "fetches": [asdict(j) for j in list(jobs.values())[-MAX_FETCHES_SHOWN:]]}
 
     def samples():
         s = service.statistics()
@@ -129,6 +159,7 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         yield ("shoal_shard_fetch_bytes_per_second", "gauge", "Rate of the last completed fetch", {},
                s.last_fetch_bytes_per_s)
 
+    node.routes["/shard/upload"] = upload
     node.routes["/shard/publish"] = publish
     node.routes["/shard/fetch"] = fetch
     node.status_sources["shardcast"] = stats

@@ -15,22 +15,23 @@ shard_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Publis
 POLL_S = 0.25
 
 
-def _url(data_dir: Optional[Path], url: Optional[str]) -> str:
-    from node.cli import _control_url
-    return _control_url(data_dir, url)
+def _client(data_dir: Optional[Path], url: Optional[str]) -> control.ControlClient:
+    from node.cli import _client
+    return _client(data_dir, url)
 
 
 @shard_app.command("publish")
 def publish(path: Path = typer.Argument(..., help="A safetensors file, or any file."),
             data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
             url: Optional[str] = typer.Option(None, "--url")) -> None:
-    """Store PATH as verified shards on the running node and print its manifest id."""
+    """Upload PATH to the running node, which stores it as verified shards; prints its manifest id."""
     from node.cli import run_cli
+    from node.uploads import upload_and_publish
     if not path.is_file():
         typer.echo(f"shoal: error: {path} is not a file", err=True)
         raise typer.Exit(2)
-    answer = run_cli(lambda: control.call(_url(data_dir, url) + "/shard/publish",
-                                          body={"path": str(path.resolve())}, timeout_s=600))
+    client = run_cli(lambda: _client(data_dir, url))
+    answer = run_cli(lambda: upload_and_publish(client, path))
     typer.echo(answer["manifest_id"])
     typer.echo(f"{answer['bytes']:,} bytes in {answer['shards']} shard(s)", err=True)
 
@@ -45,9 +46,9 @@ def fetch(manifest_id: str = typer.Argument(..., help="The id printed by `shoal 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     from node.cli import run_cli
-    base = run_cli(lambda: _url(data_dir, url))
+    client = run_cli(lambda: _client(data_dir, url))
     body = {"manifest_id": manifest_id, "out": str(out.resolve())}
-    job = run_cli(lambda: control.call(base + "/shard/fetch", body=body))
+    job = run_cli(lambda: client.call("/shard/fetch", body=body))
     deadline = time.monotonic() + timeout_s
     columns = (TextColumn("[bold]fetch"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[rate]}"),
                TextColumn("{task.fields[sources]} source(s)"), TimeElapsedColumn())
@@ -58,7 +59,7 @@ def fetch(manifest_id: str = typer.Argument(..., help="The id printed by `shoal 
                 typer.echo(f"shoal: error: fetch not finished after {timeout_s:.0f} s; it goes on in the node", err=True)
                 raise typer.Exit(1)
             time.sleep(POLL_S)
-            job = run_cli(lambda: control.call(base + f"/shard/fetch?id={job['manifest_id']}"))
+            job = run_cli(lambda: client.call(f"/shard/fetch?id={job['manifest_id']}"))
             bar.update(task, total=job["bytes_total"] or None, completed=job["bytes_done"],
                        rate=f"{job['bytes_per_s'] / 1e6:.1f} MB/s", sources=job["num_sources"])
     if job["state"] != "done":

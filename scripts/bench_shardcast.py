@@ -52,8 +52,9 @@ def _say(started: float, message: str) -> None:
 class Control:
     """One node's control API, reached through a helper process inside the node's netlab host (if any)."""
 
-    def __init__(self, argv_prefix: list[str], url: str):
-        argv = [*argv_prefix, sys.executable, str(Path(__file__).resolve()), "--control-proxy", url]
+    def __init__(self, argv_prefix: list[str], url: str, data_dir: Path):
+        argv = [*argv_prefix, sys.executable, str(Path(__file__).resolve()), "--control-proxy", url,
+                "--control-data-dir", str(data_dir)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                      env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
 
@@ -75,14 +76,15 @@ class Control:
         stop([self.proc], grace_s=2.0)
 
 
-def serve_control_proxy(url: str) -> int:
+def serve_control_proxy(url: str, data_dir: Path) -> int:
     """Forward JSON-line requests from stdin to the control API at url until stdin closes."""
     from node import control
     from protocol.errors import ShoalError
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            out = {"answer": control.call(url + req["path"], body=req["body"], timeout_s=req["timeout_s"])}
+            out = {"answer": control.call(url + req["path"], token=control.read_token(data_dir), body=req["body"],
+                                          timeout_s=req["timeout_s"])}
         except ShoalError as exc:
             out = {"error": str(exc)}
         print(json.dumps(out), flush=True)
@@ -140,14 +142,16 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
         _wait_all_see_all(swarm, SEE_ALL_TIMEOUT_S)
         # The watchers only served the readiness check; they would compete for CPU from here on.
         stop([n.watcher for n in swarm.nodes], grace_s=1.0)
-        controls = [Control(n.argv_prefix, n.control_url) for n in swarm.nodes]
+        controls = [Control(n.argv_prefix, n.control_url, n.data_dir) for n in swarm.nodes]
         for c in controls:
             stack.callback(c.close)
+        # The node publishes only files under its publish dir.
+        src = swarm.publish_dir / "source.bin"
         if source is None:
-            src = work_dir / "source.bin"
             source_sha = _write_random(src, args.size_bytes)
         else:
-            src, source_sha = source
+            shutil.copyfile(source[0], src)
+            source_sha = source[1]
         bytes_before = host_bytes(lab) if lab is not None else None
         t = time.monotonic()
         published = controls[0].call("/shard/publish", {"path": str(src)}, timeout_s=PUBLISH_TIMEOUT_S)
@@ -384,9 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shardcast-shard-mb", type=float, default=50.0,
                         help="shardcast's shard size in MB (its default: 50 MB)")
     parser.add_argument("--control-proxy", help=argparse.SUPPRESS)
+    parser.add_argument("--control-data-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.control_proxy:
-        return serve_control_proxy(args.control_proxy)
+        return serve_control_proxy(args.control_proxy, args.control_data_dir)
     if args.vs_shardcast:
         return main_vs_shardcast(parser, args)
     if not 1 <= args.receivers <= 32:

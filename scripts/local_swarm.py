@@ -37,10 +37,12 @@ TASK_ENV = {"SHOAL_HARDWARE_BENCHMARK": "false"}
 
 # A control-API call made from inside the node's network namespace (netlab hosts are not reachable from here).
 _CALL_IN_HOST = """import json, sys
-from node.control import call
+from pathlib import Path
+from node.control import call, read_token
 from protocol.errors import ShoalError
 try:
-    print(json.dumps(call(sys.argv[1], body=json.loads(sys.argv[2]), timeout_s=float(sys.argv[3]))))
+    token = read_token(Path(sys.argv[4]))
+    print(json.dumps(call(sys.argv[1], token=token, body=json.loads(sys.argv[2]), timeout_s=float(sys.argv[3]))))
 except ShoalError as exc:
     sys.exit(str(exc))
 """
@@ -98,7 +100,8 @@ class SwarmNode:
                 print(f"[node {self.index}] {line}", file=sys.stderr, flush=True)
 
     def watch(self, interval_s: float, paths: str = "/peers,/status") -> None:
-        argv = [sys.executable, "-m", "node.watch", "--url", self.control_url, "--interval-s", str(interval_s),
+        argv = [sys.executable, "-m", "node.watch", "--url", self.control_url, "--data-dir", str(self.data_dir),
+                "--interval-s", str(interval_s),
                 "--paths", paths]
         self.watcher = subprocess.Popen(self.argv_prefix + argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -121,9 +124,10 @@ class SwarmNode:
         """GET (or POST a JSON body to) this node's control API; ShoalError with the node's message."""
         from protocol.errors import ShoalError
         if not self.argv_prefix:
-            from node.control import call
-            return call(self.control_url + path, body=body, timeout_s=CALL_TIMEOUT_S)
-        argv = [sys.executable, "-c", _CALL_IN_HOST, self.control_url + path, json.dumps(body), str(CALL_TIMEOUT_S)]
+            from node.control import call, read_token
+            return call(self.control_url + path, token=read_token(self.data_dir), body=body, timeout_s=CALL_TIMEOUT_S)
+        argv = [sys.executable, "-c", _CALL_IN_HOST, self.control_url + path, json.dumps(body), str(CALL_TIMEOUT_S),
+                str(self.data_dir)]
         done = subprocess.run(self.argv_prefix + argv, capture_output=True, cwd=str(ROOT), timeout=2 * CALL_TIMEOUT_S,
                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
         if done.returncode:
@@ -170,7 +174,11 @@ class Swarm:
                  env: dict[str, str] | None = None):
         self.lab = lab
         self.extra_args = extra_args or []
-        self.env = env or {}
+        # Files the launcher hands the nodes (starting weights, benchmark payloads) go here: the only
+        # directory a node's control API reads a named path from.
+        self.publish_dir = work_dir / "publish"
+        self.publish_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {"SHOAL_PUBLISH_DIR": str(self.publish_dir), **(env or {})}
         self.nodes: list[SwarmNode] = []
         for i in range(num_nodes):
             if lab is None:

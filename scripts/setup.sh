@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV_DIR:-.venv}"
-TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+# The torch pin lives in scripts/torch.txt, which the Dockerfile reads too: one policy for both.
+TORCH_SPEC="${TORCH_SPEC:-$(cat scripts/torch.txt)}"
 
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
     echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2
@@ -29,4 +30,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q $TORCH_SPEC
     "$VENV/bin/python" -m pip install -q -e '.[test]'
     printf '%s' "$want" > "$stamp"
+fi
+
+# The browser tests drive Debian's Chromium through chromedriver; as root, install them when missing.
+if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium and chromium-driver for the browser tests" >&2
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; then
+        apt-get update -q >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+            || echo "setup: could not install chromium; the browser tests will skip" >&2
+    fi
 fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 import tomllib
 from pathlib import Path
@@ -72,6 +73,8 @@ class TaskRun:
 
     def publish_init(self, path: Path) -> str:
         """Publish starting weights (a safetensors file) over SHARDCAST on node 0; the spec then names them."""
+        if not path.resolve().is_relative_to(self.swarm.publish_dir.resolve()):
+            path = Path(shutil.copy(path, self.swarm.publish_dir / path.name))
         answer = self.swarm.nodes[0].call("/shard/publish", {"path": str(path)})
         self.fields = {**self.fields, "init_manifest": answer["manifest_id"]}
         return answer["manifest_id"]

@@ -216,6 +216,9 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> int:
 
 
 def main() -> int:
+    if os.environ.get("TRAINER_LOG_JSON"):  # the node logs JSON lines: so does everything written here
+        from node.logs import relay_stderr_as_json
+        relay_stderr_as_json("shoal.trainer")
     # Keep stdout for frames only: anything a library prints goes to stderr instead.
     frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())

@@ -7,7 +7,7 @@ import struct
 
 import trio
 
-from node.control import call
+from node.control import ControlClient
 from node.membership import ANNOUNCE_TOPIC, HELLO_PROTOCOL, MAX_ANNOUNCE_BYTES
 from p2p.api import HostConfig
 from p2p.framing import write_frame
@@ -87,10 +87,10 @@ async def test_hostile_peer_does_not_stop_the_node(tmp_path):
         await trio.sleep(node.config.dead_after_s)
         assert node.membership.table.alive() == sorted([honest_id])
         assert victim_key.peer_id not in node.membership.table.peers
-        metrics = await trio.to_thread.run_sync(lambda: __import__("urllib.request").request.urlopen(
-            node.control_url + "/metrics", timeout=5).read().decode())
+        client = ControlClient(token=node.control_token, url=node.control_url)
+        metrics = await trio.to_thread.run_sync(client.text, "/metrics")
         assert 'shoal_messages_dropped_total{reason="bad_signature"}' in metrics
         assert "shoal_banned_peers 2.0" in metrics
-        status = await trio.to_thread.run_sync(call, node.control_url + "/status")
+        status = await trio.to_thread.run_sync(client.call, "/status")
         assert evil_key.peer_id in status["banned_peers"]
         nursery.cancel_scope.cancel()

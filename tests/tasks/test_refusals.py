@@ -80,9 +80,9 @@ async def test_publish_route_refuses_absurd_values_with_the_key(network, tmp_pat
         node = await one_node(nursery, tmp_path, network)
         toml = EXAMPLE.read_text().replace("rounds = 10", "rounds = 0")
         with pytest.raises(Exception) as info:
-            await trio.to_thread.run_sync(lambda: control.call(node.control_url + "/task/publish", body={"toml": toml}))
+            await trio.to_thread.run_sync(lambda: control.call(node.control_url + "/task/publish", token=node.control_token, body={"toml": toml}))
         assert "rounds" in str(info.value)
-        listed = await trio.to_thread.run_sync(lambda: control.call(node.control_url + "/tasks"))
+        listed = await trio.to_thread.run_sync(lambda: control.call(node.control_url + "/tasks", token=node.control_token))
         assert listed == {"tasks": []}
         nursery.cancel_scope.cancel()
 

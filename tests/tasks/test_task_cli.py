@@ -17,15 +17,17 @@ async def test_publish_list_show(network, tmp_path):
     cli = CliRunner()
     async with trio.open_nursery() as nursery:
         node = await Swarm(nursery, tmp_path, network).add("a", join=False)
-        url = ["--url", node.control_url]
+        url = ["--url", node.control_url, "--data-dir", str(node.config.data_dir)]
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["publish", str(EXAMPLE), *url]))
         assert out.exit_code == 0, out.output
         tid = out.stdout.strip().splitlines()[0]
         assert len(tid) == 64
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["list", *url]))
         assert tid[:16] in out.stdout and "declined" in out.stdout
-        out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["show", tid[:8], *url]))
+        out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["show", tid[:8], *url, "--json"]))
         assert out.exit_code == 0 and '"tiny-lm-3-nodes"' in out.stdout
+        out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["show", tid[:8], *url]))
+        assert out.exit_code == 0 and "tiny-lm-3-nodes" in out.stdout and "model.n_layer" in out.stdout
         bad = tmp_path / "bad.toml"
         bad.write_text(EXAMPLE.read_text().replace("rounds = 10", "rounds = -1"))
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["publish", str(bad), *url]))

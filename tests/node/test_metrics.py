@@ -1,0 +1,40 @@
+"""/metrics rendering: bounded id labels, process_* and shoal_build_info, training figures from task status."""
+
+from types import SimpleNamespace
+
+from node.metrics import MAX_LABEL_VALUES, bound, render, task_samples
+
+
+def test_peer_labels_are_short_and_capped_with_the_rest_summed():
+    samples = [("shoal_shard_peer_bytes_total", "counter", "h", {"peer": f"12D3KooW{i:040d}", "direction": "served"},
+                float(i)) for i in range(100)]
+    out = bound(samples)
+    peers = {s[3]["peer"] for s in out}
+    assert len(peers) == MAX_LABEL_VALUES and "other" in peers
+    assert all(len(p) <= 10 for p in peers)
+    assert sum(s[4] for s in out) == sum(range(100))
+    biggest = max(out, key=lambda s: s[4] if s[3]["peer"] != "other" else -1)
+    assert biggest[4] == 99.0
+
+
+def test_render_has_process_and_build_info():
+    text = render(lambda: [("shoal_x", "gauge", "x", {}, 1.0)]).decode()
+    assert "process_resident_memory_bytes" in text and "shoal_build_info{" in text and "shoal_x 1.0" in text
+
+
+def test_task_samples_from_the_task_service_status():
+    status = {"id": "ab" * 32, "decision": "joined", "round": 3, "members": ["a", "b", "c"], "eval_loss": 2.5,
+              "train_seconds": 9.0, "bytes": {"sent": 10, "received": 20}, "dropped": {"late_weights": 2},
+              "agreement": [{"round": 0, "agreed": True, "train_s": 4.0, "round_s": 5.0},
+                            {"round": 1, "agreed": False, "train_s": 4.0, "round_s": 5.0},
+                            {"round": 2, "agreed": True, "caught_up": True, "train_s": 0.0, "round_s": 1.0}]}
+    known = SimpleNamespace(spec=SimpleNamespace(inner_steps=50))
+    service = SimpleNamespace(tasks={status["id"]: known}, summary=lambda tid, k: status)
+    got = {(s[0], tuple(sorted(s[3].items()))): s[4] for s in bound(task_samples(SimpleNamespace(tasks=service)))}
+    task = ("task", "ab" * 6)
+    assert got[("shoal_task_round", (task,))] == 3
+    assert got[("shoal_task_inner_steps_per_second", (task,))] == 100 / 8.0
+    assert got[("shoal_task_training_share", (task,))] == 8.0 / 11.0
+    assert got[("shoal_task_rounds_total", (("outcome", "dissent"), task))] == 1
+    assert got[("shoal_task_rounds_total", (("outcome", "caught_up"), task))] == 1
+    assert got[("shoal_tasks", (("decision", "joined"),))] == 1
