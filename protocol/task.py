@@ -270,11 +270,15 @@ class WeightsAnnounce:
     state_hash: str
     state_manifest: str
     eval_loss: float
+    work: int
+    """Contributions applied in the history behind these weights (producers summed over rounds):
+    after a partition heals, the history with more work wins."""
 
     def __post_init__(self) -> None:
         _check_task(self.task_id)
         _check_id(self.peer_id, "peer_id")
         _need(0 <= self.round < MAX_ROUNDS, "round out of range")
+        _need(0 <= self.work < 2**53, "work out of range")
         _need(_is_hex_hash(self.weights_hash) and _is_hex_hash(self.state_hash), "hashes must be hex sha256")
         _need(self.state_manifest == "" or _is_hex_hash(self.state_manifest), "state_manifest must be a hex id")
         _need(_finite(self.eval_loss), "eval_loss must be finite")

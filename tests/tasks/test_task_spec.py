@@ -109,7 +109,7 @@ def test_round_messages_validate():
                           result_hash=h)
     with pytest.raises(ValueError):
         WeightsAnnounce(task_id=tid, round=0, peer_id="p", weights_hash=h, state_hash=h, state_manifest="",
-                        eval_loss=float("nan"))
+                        eval_loss=float("nan"), work=0)
     msg = UpdateAnnounce(task_id=tid, round=1, producer="p", base_hash=h, samples=5, manifest_ids=(h, h),
                          losses=(1.0, 2.0))
     assert decode(encode(msg)) == msg

@@ -1,0 +1,755 @@
+"""A node's part in one task as a sans-IO state machine: listen, sync, rounds, pause, done; events in, effects out.
+
+The caller (node/tasks/runner.py, or a simulation) feeds every verified task message, the last
+time each peer was heard, and the results of the work it was asked to do, each with an explicit
+``now``; it acts on the effects returned and sleeps until ``next_deadline()`` or the next event.
+Every rule that decides membership, closing, the chosen aggregate, catching up and re-syncing
+lives here or in protocol/round.py, so honest nodes that saw the same messages decide the same.
+
+Two levels of phase, each moved only through its table (as h11 keeps its connection states):
+the task's ``Stage`` and each round's ``Phase``. A round is its own record with its own phase,
+so rounds can overlap and phases can be inserted (scoring before gathering) by adding rows.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from protocol.round import Head, aggregators, best_head, choose_aggregate, round_work, vote
+from protocol.task import AggregateAnnounce, TaskJoin, UpdateAnnounce, WeightsAnnounce
+
+
+class Stage(enum.Enum):
+    LISTENING = "listening"  # deciding where to start: a peer's weights, our checkpoint, or round 0
+    SYNCING = "syncing"  # weights and outer state are being fetched (or θ_0 made)
+    RUNNING = "running"  # a round is open
+    PAUSED = "paused"  # fewer than min_members live members share our weights: no round is produced
+    DONE = "done"  # every round ran; still serves, never waited for
+    FAILED = "failed"
+
+
+class Phase(enum.Enum):
+    TRAINING = "training"
+    COLLECTING = "collecting"
+    GATHERING = "gathering"
+    APPLYING = "applying"
+    VOTING = "voting"
+    CLOSED = "closed"
+
+
+STAGES: dict[tuple[Stage, str], Stage] = {
+    (Stage.LISTENING, "sync"): Stage.SYNCING,
+    (Stage.LISTENING, "start"): Stage.RUNNING,
+    (Stage.LISTENING, "pause"): Stage.PAUSED,
+    (Stage.LISTENING, "finish"): Stage.DONE,
+    (Stage.SYNCING, "synced"): Stage.RUNNING,
+    (Stage.SYNCING, "sync_failed"): Stage.LISTENING,
+    (Stage.RUNNING, "sync"): Stage.SYNCING,
+    (Stage.RUNNING, "start"): Stage.RUNNING,
+    (Stage.RUNNING, "pause"): Stage.PAUSED,
+    (Stage.RUNNING, "finish"): Stage.DONE,
+    (Stage.PAUSED, "start"): Stage.RUNNING,
+    (Stage.PAUSED, "sync"): Stage.SYNCING,
+    (Stage.PAUSED, "pause"): Stage.PAUSED,
+    (Stage.DONE, "sync"): Stage.SYNCING,
+    (Stage.DONE, "finish"): Stage.DONE,
+}
+"""(stage, trigger) -> next stage. "fail" leads to FAILED from anywhere."""
+
+PHASES: dict[tuple[Phase | None, str], Phase] = {
+    (None, "train"): Phase.TRAINING,
+    (None, "follow"): Phase.COLLECTING,
+    (Phase.TRAINING, "trained"): Phase.COLLECTING,
+    (Phase.COLLECTING, "collected"): Phase.GATHERING,
+    (Phase.GATHERING, "gathered"): Phase.APPLYING,
+    (Phase.APPLYING, "applied"): Phase.VOTING,
+    (Phase.VOTING, "voted"): Phase.CLOSED,
+    (Phase.TRAINING, "abandon"): Phase.CLOSED,
+    (Phase.COLLECTING, "abandon"): Phase.CLOSED,
+    (Phase.GATHERING, "abandon"): Phase.CLOSED,
+}
+"""(round phase, trigger) -> next phase; a round starts from None."""
+
+KEEP_ROUNDS = 4
+"""Rounds of messages kept behind the current one."""
+AHEAD_ROUNDS = 2
+"""Messages up to this many rounds ahead are buffered (a faster peer), further ones dropped."""
+JOIN_LEAD_ROUNDS = 2
+"""A node that synced follows this many rounds before it produces, so every member counts it from
+the same round (members that disagree on membership pick different aggregators)."""
+
+
+# -- events the caller feeds in (besides the task messages themselves) ----------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trained:
+    """This node's update for ``round`` is stored: one manifest per slice."""
+
+    round: int
+    samples: int
+    manifest_ids: tuple[str, ...]
+    losses: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Aggregated:
+    round: int
+    slice: int
+    included: tuple[str, ...]
+    manifest_id: str
+    result_hash: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Applied:
+    """θ_{round+1} is this node's now (checkpointed), with its hashes and where peers can fetch it."""
+
+    round: int
+    weights_hash: str
+    state_hash: str
+    state_manifest: str
+    eval_loss: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Synced:
+    """The weights of a FetchState (or MakeInitial) are this node's now."""
+
+    head: Head
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncFailed:
+    head: Head
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkFailed:
+    """The trainer failed for good: the task stops on this node."""
+
+    reason: str
+
+
+Event = TaskJoin | UpdateAnnounce | AggregateAnnounce | WeightsAnnounce | Trained | Aggregated | Applied | Synced \
+    | SyncFailed | WorkFailed
+
+
+# -- effects the caller acts on --------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Sign and gossip this message (the machine has already taken it into account)."""
+
+    message: TaskJoin | UpdateAnnounce | AggregateAnnounce | WeightsAnnounce
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Train from θ_round (hash ``base_hash``), store the update's slices, answer Trained."""
+
+    round: int
+    base_hash: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """Combine slice ``slice`` of these updates (sorted by producer), store it, answer Aggregated."""
+
+    round: int
+    slice: int
+    updates: tuple[UpdateAnnounce, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Apply:
+    """Fetch the chosen aggregates and apply the outer step (``chosen`` empty: keep θ_r), answer Applied.
+
+    ``same`` lists, per slice, other aggregates with the chosen one's hash: alternative sources."""
+
+    round: int
+    chosen: tuple[AggregateAnnounce, ...]
+    same: tuple[tuple[AggregateAnnounce, ...], ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchState:
+    """Fetch θ_{head.round} and the outer state from ``sources``, verify both hashes, answer Synced."""
+
+    head: Head
+    sources: tuple[Head, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MakeInitial:
+    """Build θ_0 (seeded init or the spec's initial weights), answer Synced."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundClosed:
+    round: int
+    weights_hash: str
+    agreed: bool
+    num_agree: int
+    num_disagree: int
+    members: int
+    work: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dissent:
+    """A peer announced weights that differ from the vote's winner (detected, not yet judged)."""
+
+    round: int
+    peer_id: str
+    weights_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    round: int
+
+
+Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Finished
+
+
+_WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed)
+
+
+class LocalTransitionError(AssertionError):
+    """A trigger the tables do not allow in the current phase: a bug in the machine, never the peer's."""
+
+
+@dataclass
+class RoundState:
+    index: int
+    base: Head | None = None
+    phase: Phase | None = None
+    started_at: float | None = None
+    producing: bool = False
+    updates: dict[str, UpdateAnnounce] = field(default_factory=dict)
+    aggregates: dict[int, dict[str, AggregateAnnounce]] = field(default_factory=dict)
+    weights: dict[str, WeightsAnnounce] = field(default_factory=dict)
+    members: tuple[str, ...] = ()
+    aggregators: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    collected_at: float | None = None
+    chosen: tuple[AggregateAnnounce, ...] = ()
+    applied_at: float | None = None
+    mine: Head | None = None
+    my_update: UpdateAnnounce | None = None
+    republish_at: float | None = None
+
+
+@dataclass(kw_only=True)
+class TaskMachine:
+    task_id: str
+    self_id: str
+    rounds: int
+    num_slices: int
+    aggregators_per_slice: int
+    round_deadline_s: float
+    quiet_after_s: float
+    """A peer not heard from for this long is not waited for (one heartbeat window)."""
+    listen_s: float
+    min_members: int
+    max_members: int
+    max_samples: int
+    stage: Stage = Stage.LISTENING
+    head: Head | None = None
+    detail: str = ""
+    position: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Per peer: the round it holds the weights of, and their hash ("" after a join, which says no hash)."""
+    latest: dict[str, WeightsAnnounce] = field(default_factory=dict)
+    heard: dict[str, float] = field(default_factory=dict)
+    rounds_seen: dict[int, RoundState] = field(default_factory=dict)
+    current: int = -1
+    produce_from: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    _listen_until: float = 0.0
+    _joined_zero: bool = False
+    _blocked: dict[str, float] = field(default_factory=dict)
+    _follow_after_sync: bool | None = True
+    _members_cache: dict[int, tuple[list[str], set[str]]] = field(default_factory=dict)
+    _started: bool = False
+    _now: float = float("-inf")
+    """The latest ``now`` the caller passed in (next_deadline takes none)."""
+
+    # -- the tables ------------------------------------------------------------------------------
+
+    def _to(self, trigger: str) -> None:
+        if trigger == "fail":
+            self.stage = Stage.FAILED
+            return
+        nxt = STAGES.get((self.stage, trigger))
+        if nxt is None:
+            raise LocalTransitionError(f"task stage {self.stage.value} has no transition {trigger!r}")
+        self.stage = nxt
+
+    def _move(self, rec: RoundState, trigger: str) -> None:
+        nxt = PHASES.get((rec.phase, trigger))
+        if nxt is None:
+            raise LocalTransitionError(f"round {rec.index} in {rec.phase} has no transition {trigger!r}")
+        rec.phase = nxt
+
+    # -- liveness and membership -----------------------------------------------------------------
+
+    def live(self, peer: str, now: float) -> bool:
+        t = self.heard.get(peer)
+        return peer == self.self_id or (t is not None and now - t < self.quiet_after_s)
+
+    def set_heard(self, last_heard: dict[str, float], now: float) -> list[Effect]:
+        """When each peer was last heard (heartbeats); quiet members stop being waited for."""
+        for peer, t in last_heard.items():
+            if t > self.heard.get(peer, float("-inf")):
+                self.heard[peer] = t
+        self._members_cache.clear()
+        return self.tick(now)
+
+    def _heard_now(self, peer: str, now: float) -> None:
+        if now > self.heard.get(peer, float("-inf")):
+            if not self.live(peer, now):
+                self._members_cache.clear()
+            self.heard[peer] = now
+
+    def _on_history(self, peer: str, rec: RoundState) -> bool:
+        """The peer holds θ_r of our history: it sent an update from our base, its last weights are our
+        base, or its last word was a join at r. A peer behind, ahead, finished, restarted from an older
+        checkpoint or on another side of a partition is not, so it is never waited for."""
+        if peer in rec.updates:
+            return True
+        pos = self.position.get(peer)
+        return pos is not None and pos[0] == rec.index and (
+            pos[1] == "" or (rec.base is not None and pos[1] == rec.base.weights_hash))
+
+    def members(self, rec: RoundState, now: float) -> list[str]:
+        """Live peers on our history for round r (and this node if it produces), at most max_members."""
+        cached = self._members_cache.get(rec.index)
+        if cached is not None:
+            return cached[0]
+        peers = set(self.position) | set(rec.updates)
+        out = {p for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec)}
+        if rec.producing:
+            out.add(self.self_id)
+        ordered = sorted(out)[: self.max_members]
+        self._members_cache[rec.index] = (ordered, set(ordered))
+        return ordered
+
+    def _prospective(self, r: int, base: Head, now: float) -> int:
+        """How many live nodes (this one included) would be members of round r from ``base``."""
+        rec = RoundState(index=r, base=base)
+        peers = self.position
+        return 1 + sum(1 for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec))
+
+    # -- the round window ------------------------------------------------------------------------
+
+    def _round(self, r: int) -> RoundState | None:
+        anchor = self.current if self.current >= 0 else (self.head.round if self.head else -1)
+        if anchor >= 0 and not anchor - KEEP_ROUNDS <= r <= anchor + AHEAD_ROUNDS:
+            return None
+        rec = self.rounds_seen.get(r)
+        if rec is None:
+            rec = self.rounds_seen[r] = RoundState(index=r)
+            while len(self.rounds_seen) > KEEP_ROUNDS + AHEAD_ROUNDS + 1:
+                oldest = min(self.rounds_seen)
+                del self.rounds_seen[oldest]
+                self._members_cache.pop(oldest, None)
+                if oldest == r:
+                    return None
+        return rec
+
+    def _forget_before(self, r: int) -> None:
+        for old in [i for i in self.rounds_seen if i < r - KEEP_ROUNDS or (i > r + AHEAD_ROUNDS)]:
+            del self.rounds_seen[old]
+        self._members_cache.clear()
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def start(self, saved: Head | None, now: float) -> list[Effect]:
+        """The task begins on this node, from its checkpoint (``saved``) or from nothing."""
+        self.head = saved
+        assert not self._started, "start() twice"
+        self._started = True
+        self._listen_until = now + self.listen_s
+        self._now = now
+        self.detail = "listening for the swarm's weights"
+        if saved is None:
+            return self._begin(now)
+        # Counted from the round it resumes: peers stop waiting for an older incarnation's update.
+        return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=saved.round)), *self._begin(now)]
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        self._now = max(self._now, now)
+        if self.stage is Stage.FAILED or (not self._started and type(event) in _WORK_EVENTS):
+            return []
+        handler = getattr(self, f"_on_{type(event).__name__}")
+        return handler(event, now)
+
+    def tick(self, now: float) -> list[Effect]:
+        self._now = max(self._now, now)
+        if self.stage is Stage.FAILED or not self._started:
+            return []
+        effects: list[Effect] = []
+        for until in [h for h, t in self._blocked.items() if t <= now]:
+            del self._blocked[until]
+        rec = self.rounds_seen.get(self.current)
+        if self.stage is Stage.RUNNING and rec is not None:
+            effects += self._advance(rec, now)
+        elif self.stage in (Stage.LISTENING, Stage.PAUSED, Stage.DONE):
+            effects += self._begin(now)
+        return effects
+
+    def next_deadline(self) -> float | None:
+        """When tick() next has something to decide by time alone (None: only events will)."""
+        times = list(self._blocked.values())
+        if self.stage is Stage.LISTENING:
+            times.append(self._listen_until)
+        rec = self.rounds_seen.get(self.current)
+        if self.stage is Stage.RUNNING and rec is not None and rec.started_at is not None:
+            waited: list[str] = []
+            if rec.phase is Phase.COLLECTING:
+                times.append(rec.started_at + self.round_deadline_s)
+                if rec.republish_at is not None:
+                    times.append(rec.republish_at)
+                waited = [p for p in self._members_cache.get(rec.index, ([], ()))[0] if p not in rec.updates]
+            elif rec.phase is Phase.GATHERING:
+                times.append(rec.collected_at + self.round_deadline_s)
+                waited = sorted({a for s in rec.aggregators.values() for a in s})
+            elif rec.phase is Phase.VOTING:
+                times.append(rec.applied_at + self.round_deadline_s)
+                waited = [p for p in rec.members if p not in rec.weights]
+            # Only members still live count: one already quiet is no longer waited for.
+            times += [t for p in waited if p in self.heard and p != self.self_id
+                      and (t := self.heard[p] + self.quiet_after_s) > self._now]
+        # A time already passed was decided by the tick at it (a round stuck below min_members waits
+        # for events, not for its deadline again).
+        return min((t for t in times if t > self._now), default=None)
+
+    def _on_TaskJoin(self, msg: TaskJoin, now: float) -> list[Effect]:
+        if msg.task_id != self.task_id or msg.peer_id == self.self_id:
+            return []
+        # A join always replaces what we knew: a restarted node may declare an older round than the
+        # weights its previous incarnation announced, and from then on it is counted from there.
+        if self.position.get(msg.peer_id) != (msg.round, ""):
+            self.position[msg.peer_id] = (msg.round, "")
+            self._members_cache.clear()
+        self._heard_now(msg.peer_id, now)
+        return self.tick(now)
+
+    def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
+        rec = self._round(msg.round) if msg.task_id == self.task_id else None
+        self._heard_now(msg.producer, now)
+        if rec is None or (rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING)):
+            self.dropped["late_update"] += 1
+            return []
+        if len(msg.manifest_ids) != self.num_slices or msg.samples > self.max_samples:
+            self.dropped["bad_update"] += 1
+            return []
+        if rec.base is not None and msg.base_hash != rec.base.weights_hash:
+            self.dropped["wrong_base"] += 1
+            return []
+        if msg.producer not in rec.updates:
+            rec.updates[msg.producer] = msg
+            cached = self._members_cache.get(rec.index)
+            if cached is not None and msg.producer not in cached[1]:
+                del self._members_cache[rec.index]
+        return self._advance(rec, now) if rec.index == self.current else []
+
+    def _on_AggregateAnnounce(self, msg: AggregateAnnounce, now: float) -> list[Effect]:
+        rec = self._round(msg.round) if msg.task_id == self.task_id else None
+        self._heard_now(msg.aggregator, now)
+        if rec is None or rec.phase in (Phase.APPLYING, Phase.VOTING, Phase.CLOSED) \
+                or not 0 <= msg.slice < self.num_slices:
+            self.dropped["late_aggregate"] += 1
+            return []
+        rec.aggregates.setdefault(msg.slice, {}).setdefault(msg.aggregator, msg)
+        return self._advance(rec, now) if rec.index == self.current else []
+
+    def _on_WeightsAnnounce(self, msg: WeightsAnnounce, now: float) -> list[Effect]:
+        if msg.task_id != self.task_id or msg.peer_id == self.self_id:
+            return []
+        self._heard_now(msg.peer_id, now)
+        old = self.latest.get(msg.peer_id)
+        if old == msg and self.stage is Stage.RUNNING:
+            return []  # a re-announcement: nothing new
+        if old is None or msg.round >= old.round:
+            self.latest[msg.peer_id] = msg
+        pos = self.position.get(msg.peer_id)
+        # Weights only move a peer forward (a joiner announces the rounds it follows before the one it
+        # joins at), and a re-announcement of weights seen before never undoes a later join.
+        if old != msg and (pos is None or msg.round + 1 >= pos[0]):
+            if pos != (msg.round + 1, msg.weights_hash):
+                self.position[msg.peer_id] = (msg.round + 1, msg.weights_hash)
+                self._members_cache.clear()
+        rec = self._round(msg.round)
+        if rec is not None and rec.phase is not Phase.CLOSED:
+            rec.weights[msg.peer_id] = msg
+        if self.stage is Stage.RUNNING:
+            cur = self.rounds_seen.get(self.current)
+            if cur is not None:
+                return self._overtaken(cur, now) or (self._advance(cur, now) if cur is rec else [])
+            return []
+        return self.tick(now)
+
+    def _on_Trained(self, ev: Trained, now: float) -> list[Effect]:
+        rec = self.rounds_seen.get(ev.round)
+        if rec is None or rec.phase is not Phase.TRAINING or ev.round != self.current:
+            return []  # abandoned while training
+        self._move(rec, "trained")
+        msg = UpdateAnnounce(task_id=self.task_id, round=ev.round, producer=self.self_id,
+                             base_hash=rec.base.weights_hash, samples=ev.samples, manifest_ids=ev.manifest_ids,
+                             losses=ev.losses)
+        rec.updates[self.self_id] = rec.my_update = msg
+        return [Publish(msg), *self._advance(rec, now)]
+
+    def _on_Aggregated(self, ev: Aggregated, now: float) -> list[Effect]:
+        if ev.round not in self.rounds_seen:
+            return []
+        msg = AggregateAnnounce(task_id=self.task_id, round=ev.round, slice=ev.slice, aggregator=self.self_id,
+                                included=ev.included, manifest_id=ev.manifest_id, result_hash=ev.result_hash)
+        return [Publish(msg), *self._on_AggregateAnnounce(msg, now)]
+
+    def _on_Applied(self, ev: Applied, now: float) -> list[Effect]:
+        rec = self.rounds_seen.get(ev.round)
+        assert rec is not None and rec.phase is Phase.APPLYING and ev.round == self.current, "Applied unasked"
+        self._move(rec, "applied")
+        rec.applied_at = now
+        rec.mine = self.head = Head(round=ev.round + 1, weights_hash=ev.weights_hash, state_hash=ev.state_hash,
+                                    work=rec.base.work + round_work(rec.chosen), peer_id=self.self_id,
+                                    state_manifest=ev.state_manifest)
+        msg = WeightsAnnounce(task_id=self.task_id, round=ev.round, peer_id=self.self_id,
+                              weights_hash=ev.weights_hash, state_hash=ev.state_hash,
+                              state_manifest=ev.state_manifest, eval_loss=ev.eval_loss, work=self.head.work)
+        return [Publish(msg), *self._advance(rec, now)]
+
+    def _on_Synced(self, ev: Synced, now: float) -> list[Effect]:
+        assert self.stage is Stage.SYNCING, "Synced unasked"
+        self._to("synced")
+        self.head = ev.head
+        effects: list[Effect] = []
+        if ev.head.round > 0:
+            # Into a running swarm a node follows JOIN_LEAD_ROUNDS first; into a paused one (a healed
+            # partition) it is counted at once, or no side would ever reach min_members again. A node
+            # re-synced by a vote says so too: its last announced weights are not the ones it holds.
+            lead = JOIN_LEAD_ROUNDS if self._follow_after_sync else 0
+            self.produce_from = ev.head.round + lead
+            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=self.produce_from)))
+        self._forget_before(ev.head.round)
+        return effects + self._begin(now)
+
+    def _on_SyncFailed(self, ev: SyncFailed, now: float) -> list[Effect]:
+        assert self.stage is Stage.SYNCING, "SyncFailed unasked"
+        self._blocked[ev.head.weights_hash] = now + self.quiet_after_s
+        self._to("sync_failed")
+        self.detail = f"weights {ev.head.weights_hash[:16]} not fetched: {ev.reason}"
+        return self._begin(now)
+
+    def _on_WorkFailed(self, ev: WorkFailed, now: float) -> list[Effect]:
+        self._to("fail")
+        self.detail = ev.reason
+        return []
+
+    # -- deciding what to do next ----------------------------------------------------------------
+
+    def _better_head(self, now: float) -> tuple[Head, tuple[Head, ...]] | None:
+        """A live peer's weights this node should hold instead of its own, and every source of them."""
+        heads = [Head.of(w) for p, w in self.latest.items()
+                 if w.state_manifest and w.weights_hash not in self._blocked and self.live(p, now)]
+        best = best_head(heads)
+        if best is None or (self.head is not None and (best.same_weights(self.head)
+                                                        or best.rank() >= self.head.rank())):
+            return None
+        return best, tuple(h for h in heads if h.same_weights(best))
+
+    def _sync(self, best: Head, sources: tuple[Head, ...], reason: str, *, follow: bool | None) -> list[Effect]:
+        """``follow``: join JOIN_LEAD_ROUNDS ahead (True), at once (False), or stay a member as we are (None)."""
+        self._to("sync")
+        self._follow_after_sync = follow
+        self.detail = f"fetching the weights of round {best.round} ({reason})"
+        return [FetchState(best, sources, reason)]
+
+    def _begin(self, now: float) -> list[Effect]:
+        """Between rounds (or before the first): sync, pause, finish or open the next round."""
+        if self.stage in (Stage.SYNCING, Stage.FAILED):
+            return []
+        better = self._better_head(now)
+        if better is not None:
+            reason = "joining" if self.head is None else "the swarm's history has more work"
+            # A joiner follows first; a node that paused, finished or resumed its own checkpoint joins at once.
+            return self._sync(*better, reason, follow=self.head is None)
+        if self.head is None:
+            return self._begin_fresh(now)
+        if self.head.round >= self.rounds:
+            was = self.stage
+            self._to("finish")
+            self.detail = f"{self.rounds} rounds"
+            return [] if was is Stage.DONE else [Finished(self.head.round)]
+        effects: list[Effect] = []
+        if self.stage is Stage.LISTENING:
+            peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items() if self.live(p, now))
+            if now < self._listen_until and not peers_agree:
+                return []  # a restarted node listens for a better history before it resumes its own
+        r = self.head.round
+        count = self._prospective(r, self.head, now)
+        if count < self.min_members:
+            if self.stage is not Stage.PAUSED:
+                self._to("pause")
+            self.detail = f"waiting for members ({count}/{self.min_members} hold these weights)"
+            return effects
+        return effects + self._open(r, now)
+
+    def _begin_fresh(self, now: float) -> list[Effect]:
+        if self.stage is not Stage.LISTENING:
+            return []
+        effects: list[Effect] = []
+        fresh = any(pos == (0, "") for p, pos in self.position.items())
+        if not (fresh or now >= self._listen_until):
+            return []
+        if not self._joined_zero:
+            self._joined_zero = True
+            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=0)))
+        count = 1 + sum(1 for p, pos in self.position.items() if pos == (0, "") and self.live(p, now))
+        self.detail = f"waiting for members ({count}/{self.min_members})"
+        if count >= self.min_members:
+            self._to("sync")
+            self._follow_after_sync = None
+            effects.append(MakeInitial())
+        return effects
+
+    def _open(self, r: int, now: float) -> list[Effect]:
+        self._to("start")
+        self.current = r
+        self._forget_before(r)
+        rec = self._round(r)
+        assert rec is not None
+        rec.base, rec.started_at = self.head, now
+        rec.producing = r >= self.produce_from
+        for producer in [p for p, u in rec.updates.items() if u.base_hash != self.head.weights_hash]:
+            del rec.updates[producer]
+            self.dropped["wrong_base"] += 1
+        self._members_cache.pop(r, None)
+        self.detail = ""
+        if rec.producing:
+            self._move(rec, "train")
+            return [Train(r, self.head.weights_hash, tuple(self.members(rec, now))), *self._advance(rec, now)]
+        self._move(rec, "follow")
+        return self._advance(rec, now)
+
+    def _overtaken(self, rec: RoundState, now: float) -> list[Effect]:
+        """The swarm closed this round without us (we were slow, cut off or restarted): take its weights."""
+        if rec.phase not in (Phase.TRAINING, Phase.COLLECTING, Phase.GATHERING):
+            return []
+        better = self._better_head(now)
+        # A peer one round ahead is normal (it applied first); two rounds ahead means the round closed
+        # without us. A round stuck below min_members gives way to any history with more work.
+        stuck = rec.phase is Phase.COLLECTING and now >= rec.started_at + self.round_deadline_s
+        if better is None or (not stuck and better[0].round <= rec.index + 1):
+            return []
+        self._move(rec, "abandon")
+        return self._sync(*better, f"the swarm finished round {rec.index} without us", follow=not stuck)
+
+    # -- closing rules ---------------------------------------------------------------------------
+
+    def _advance(self, rec: RoundState, now: float) -> list[Effect]:
+        if rec.phase is Phase.COLLECTING:
+            return self._check_collect(rec, now)
+        if rec.phase is Phase.GATHERING:
+            return self._check_gather(rec, now)
+        if rec.phase is Phase.VOTING:
+            return self._check_vote(rec, now)
+        return []
+
+    def _check_collect(self, rec: RoundState, now: float) -> list[Effect]:
+        members = self.members(rec, now)
+        # The length test first keeps a 1,000-member round linear in its messages.
+        everyone = len(rec.updates) >= len(members) and all(p in rec.updates for p in members)
+        if not everyone and now < rec.started_at + self.round_deadline_s:
+            return []
+        if len(rec.updates) < self.min_members:
+            # Below min_members this side of a partition produces no round: it waits, and keeps its
+            # update in the air so the round can close the moment the others are back.
+            self.detail = f"round {rec.index}: {len(rec.updates)}/{self.min_members} updates, waiting for members"
+            if rec.my_update is not None and (rec.republish_at is None or now >= rec.republish_at):
+                first = rec.republish_at is None
+                rec.republish_at = now + self.quiet_after_s
+                if not first:
+                    return [Publish(rec.my_update)]
+            return []
+        self._move(rec, "collected")
+        self.detail = ""
+        rec.collected_at = now
+        rec.members = tuple(sorted(set(members) | set(rec.updates)))
+        pool = [p for p in members if self.live(p, now)]
+        updates = tuple(rec.updates[p] for p in sorted(rec.updates))
+        effects: list[Effect] = []
+        for s in range(self.num_slices):
+            rec.aggregators[s] = aggregators(self.task_id, rec.index, s, pool, self.aggregators_per_slice)
+            if self.self_id in rec.aggregators[s]:
+                effects.append(Aggregate(rec.index, s, updates))
+        return effects + self._check_gather(rec, now)
+
+    def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
+        collected = set(rec.updates)
+        eligible = set(rec.members)
+        chosen, complete = [], True
+        for s in range(self.num_slices):
+            expected = rec.aggregators.get(s, ())
+            got = {a: m for a, m in rec.aggregates.get(s, {}).items() if a in expected or a in eligible}
+            if not got:
+                complete = False
+                continue
+            best = choose_aggregate(got.values())
+            chosen.append(best)
+            # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
+            # so the slice need not wait for the other aggregators.
+            if not collected <= set(best.included) and any(
+                    a not in got and self.live(a, now) for a in expected):
+                complete = False
+        if not complete and now < rec.collected_at + self.round_deadline_s:
+            return []
+        self._move(rec, "gathered")
+        if len(chosen) < self.num_slices:
+            rec.chosen = ()
+            return [Apply(rec.index, (), (), f"{self.num_slices - len(chosen)} slice(s) got no aggregate in time")]
+        rec.chosen = tuple(chosen)
+        same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
+                     for c in chosen)
+        return [Apply(rec.index, rec.chosen, same)]
+
+    def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
+        voters = rec.weights
+        # any() stops at the first live member still to vote, which keeps a 1,000-member round near linear.
+        if now < rec.applied_at + self.round_deadline_s and any(
+                p not in voters and p != self.self_id and self.live(p, now) for p in rec.members):
+            return []
+        self._move(rec, "voted")
+        winner, num_for, num_against = vote(rec.mine, voters)
+        effects: list[Effect] = [Dissent(rec.index, p, w.weights_hash)
+                                 for p, w in sorted(voters.items()) if w.weights_hash != winner]
+        closed = RoundClosed(round=rec.index, weights_hash=winner, agreed=winner == rec.mine.weights_hash,
+                             num_agree=num_for, num_disagree=num_against, members=len(rec.members),
+                             work=rec.mine.work)
+        effects.append(closed)
+        if closed.agreed:
+            return effects + self._begin(now)
+        states = Counter(w.state_hash for w in voters.values() if w.weights_hash == winner)
+        state = min(states, key=lambda s: (-states[s], s))
+        sources = tuple(Head.of(w) for _, w in sorted(voters.items())
+                        if w.weights_hash == winner and w.state_hash == state and w.state_manifest)
+        if not sources:
+            return effects + self._begin(now)
+        return effects + self._sync(sources[0], sources, "our weights are not the vote's", follow=None)
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def statistics(self, now: float) -> dict:
+        rec = self.rounds_seen.get(self.current)
+        return {"stage": self.stage.value, "round": self.current,
+                "phase": rec.phase.value if rec and rec.phase else None, "detail": self.detail,
+                "head": self.head.round if self.head else None, "work": self.head.work if self.head else 0,
+                "members": self.members(rec, now) if rec is not None and rec.base is not None else [],
+                "updates": len(rec.updates) if rec else 0, "dropped": dict(self.dropped)}

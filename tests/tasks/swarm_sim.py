@@ -1,0 +1,238 @@
+"""An in-process swarm of task machines: one broadcast queue, instant work, a clock, partitions, deaths.
+
+The machines decide everything; the sim only delivers messages (within a partition group), hears
+heartbeats, and answers each effect at once with the event a node's executor would send.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from collections import deque
+
+from protocol.round import Head
+from protocol.task import TaskJoin, WeightsAnnounce
+from protocol.task_machine import (Aggregate, Aggregated, Applied, Apply, Dissent, FetchState, Finished,
+                                   MakeInitial, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine,
+                                   Train, Trained)
+
+TASK = "ab" * 32
+DEADLINE_S = 30.0
+QUIET_S = 3.0
+HEARTBEAT_S = 1.0
+TRAIN_S = 2.0
+ANNOUNCE_S = 4.0
+"""Each node re-gossips its latest weights this often, as the runner does, so restarted nodes hear them."""
+
+
+def h(*parts) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+INIT = Head(round=0, weights_hash=h("init"), state_hash=h("init-state"), work=0)
+
+
+class Swarm:
+    def __init__(self, names, *, rounds=10, slices=2, k=2, min_members=1, listen_s=5.0, lie=()):
+        self.now = 0.0
+        self.rounds, self.slices, self.k, self.min_members, self.listen_s = rounds, slices, k, min_members, listen_s
+        self.queue: deque = deque()
+        self.machines: dict[str, TaskMachine] = {}
+        self.group: dict[str, int] = {}
+        self.dead: set[str] = set()
+        self.lie = set(lie)
+        self.mute: set[str] = set()
+        self.saved: dict[str, Head] = {}
+        self.history: dict[str, dict[int, str]] = {}
+        self.closed: list[tuple[str, RoundClosed]] = []
+        self.events: list[tuple[str, object]] = []
+        self.states: set[tuple[str, str]] = {(INIT.weights_hash, INIT.state_hash)}
+        self.next_heartbeat = 0.0
+        self.next_announce = ANNOUNCE_S
+        self.announced: dict = {}
+        self.later: list = []  # (due, seq, name, event): training takes TRAIN_S of simulated time
+        self._seq = itertools.count()
+        for n in names:
+            self.add(n)
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def add(self, name: str, saved: Head | None = None) -> None:
+        m = TaskMachine(task_id=TASK, self_id=name, rounds=self.rounds, num_slices=self.slices,
+                        aggregators_per_slice=self.k, round_deadline_s=DEADLINE_S, quiet_after_s=QUIET_S,
+                        listen_s=self.listen_s, min_members=self.min_members, max_members=100_000, max_samples=1000)
+        self.machines[name] = m
+        self.announced.pop(name, None)
+        self.group.setdefault(name, 0)
+        self.dead.discard(name)
+        self.history.setdefault(name, {})
+        self._heartbeat(only=name)
+        self.handle(name, m.start(saved, self.now))
+
+    def kill(self, name: str) -> None:
+        self.dead.add(name)
+
+    def restart(self, name: str) -> None:
+        self.add(name, self.saved.get(name))
+
+    def split(self, *groups) -> None:
+        for g, names in enumerate(groups):
+            for n in names:
+                self.group[n] = g
+
+    def heal(self) -> None:
+        for n in self.group:
+            self.group[n] = 0
+
+    def alive(self):
+        return [n for n in self.machines if n not in self.dead]
+
+    # -- the wire and the executor ---------------------------------------------------------------
+
+    def broadcast(self, sender, msg) -> None:
+        self.queue.append(("msg", sender, msg, self.group[sender]))
+
+    def handle(self, name: str, effects) -> None:
+        for e in effects:
+            self.events.append((name, e))
+            if isinstance(e, Publish):
+                self.broadcast(name, e.message)
+                if isinstance(e.message, WeightsAnnounce):
+                    self.announced[name] = e.message
+            elif isinstance(e, Train):
+                ids = tuple(h(name, e.round, s, e.base_hash) for s in range(self.slices))
+                heapq.heappush(self.later, (self.now + TRAIN_S, next(self._seq), name,
+                                            Trained(round=e.round, samples=10, manifest_ids=ids, losses=(1.0,))))
+            elif isinstance(e, Aggregate) and name not in self.mute:
+                included = tuple(u.producer for u in e.updates)
+                result = h("agg", e.round, e.slice, tuple((u.producer, u.manifest_ids[e.slice]) for u in e.updates))
+                self.local(name, Aggregated(round=e.round, slice=e.slice, included=included, manifest_id=result,
+                                            result_hash=result))
+            elif isinstance(e, Apply):
+                base = self.machines[name].head
+                new = h(base.weights_hash, tuple(a.result_hash for a in e.chosen)) if e.chosen else base.weights_hash
+                if name in self.lie:
+                    new = h("lie", new)
+                state = h("state", new)
+                self.states.add((new, state))
+                self.history[name][e.round] = new
+                self.local(name, Applied(round=e.round, weights_hash=new, state_hash=state,
+                                         state_manifest=h("m", new), eval_loss=1.0))
+            elif isinstance(e, FetchState):
+                reachable = [s for s in e.sources if s.peer_id not in self.dead
+                             and self.group[s.peer_id] == self.group[name]]
+                if reachable and (e.head.weights_hash, e.head.state_hash) in self.states:
+                    self.local(name, Synced(head=e.head))
+                else:
+                    self.local(name, SyncFailed(head=e.head, reason="no source"))
+            elif isinstance(e, MakeInitial):
+                self.local(name, Synced(head=INIT))
+            elif isinstance(e, RoundClosed):
+                self.closed.append((name, e))
+                self.history[name][e.round] = e.weights_hash
+        m = self.machines[name]
+        if m.head is not None and m.stage is not Stage.SYNCING:
+            self.saved[name] = m.head  # what the node's checkpoint holds
+
+    def local(self, name, event) -> None:
+        self.queue.append(("local", name, event, None))
+
+    def run(self, max_steps=50_000_000) -> None:
+        steps = 0
+        while self.queue and steps < max_steps:
+            kind, who, item, group = self.queue.popleft()
+            steps += 1
+            if who in self.dead:
+                continue
+            if kind == "local":
+                self.handle(who, self.machines[who].handle(item, self.now))
+                if isinstance(item, Synced):
+                    self.history[who][item.head.round - 1] = item.head.weights_hash
+                continue
+            for n, m in self.machines.items():
+                if n != who and n not in self.dead and self.group[n] == group:
+                    effects = m.handle(item, self.now)
+                    if effects:
+                        self.handle(n, effects)
+
+    def _heartbeat(self, only: str | None = None) -> None:
+        alive = self.alive()
+        targets = [only] if only else alive
+        for n in targets:
+            g = self.group[n]
+            heard = {p: self.now for p in alive if self.group[p] == g and p != n}
+            self.handle(n, self.machines[n].set_heard(heard, self.now))
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock, waking machines at their deadlines and hearing heartbeats every HEARTBEAT_S."""
+        until = self.now + seconds
+        spins = 0
+        while True:
+            self.run()
+            spins += 1
+            if spins > 100_000:
+                stuck = {n: (m.stage.value, m.current, m.next_deadline()) for n, m in self.machines.items()
+                         if n not in self.dead and (m.next_deadline() or until + 1) <= self.now}
+                raise AssertionError(f"a machine's deadline passed and tick() did not move it: {stuck}")
+            deadlines = [d for n in self.alive() if (d := self.machines[n].next_deadline()) is not None]
+            nxt = min([self.next_heartbeat, self.next_announce, *deadlines, *(self.later[:1] and [self.later[0][0]])])
+            if nxt > until:
+                break
+            if nxt > self.now:
+                spins = 0
+            self.now = max(self.now, nxt)
+            while self.later and self.later[0][0] <= self.now:
+                _, _, name, event = heapq.heappop(self.later)
+                self.local(name, event)
+            self.run()
+            if self.now >= self.next_heartbeat:
+                self.next_heartbeat = self.now + HEARTBEAT_S
+                self._heartbeat()
+            if self.now >= self.next_announce:
+                self.next_announce = self.now + ANNOUNCE_S
+                for n in self.alive():
+                    if n in self.announced:
+                        self.broadcast(n, self.announced[n])
+            for n in self.alive():
+                d = self.machines[n].next_deadline()
+                if d is not None and d <= self.now:
+                    self.handle(n, self.machines[n].tick(self.now))
+        self.now = until
+        self.run()
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def rounds_done(self, name: str) -> int:
+        m = self.machines[name]
+        return m.head.round if m.head else 0
+
+    def all_done(self) -> bool:
+        return all(self.machines[n].stage is Stage.DONE for n in self.alive())
+
+    def run_until(self, predicate, limit_s: float, step_s: float = 1.0) -> float:
+        start = self.now
+        while not predicate():
+            if self.now - start > limit_s:
+                raise AssertionError(f"not reached within {limit_s} s; stages "
+                                     f"{ {n: (m.stage.value, m.head.round if m.head else None, m.detail) for n, m in list(self.machines.items())[:6]} }")
+            self.advance(step_s)
+        return self.now - start
+
+    def disagreements(self) -> dict[int, set[str]]:
+        """Rounds where nodes recorded different weights hashes."""
+        by_round: dict[int, set[str]] = {}
+        for n, hist in self.history.items():
+            for r, wh in hist.items():
+                by_round.setdefault(r, set()).add(wh)
+        return {r: s for r, s in by_round.items() if len(s) > 1}
+
+    def dissents(self):
+        return [(n, e) for n, e in self.events if isinstance(e, Dissent)]
+
+    def finished(self):
+        return [(n, e) for n, e in self.events if isinstance(e, Finished)]
+
+    def join_msgs(self, name):
+        return [e.message for n, e in self.events
+                if n == name and isinstance(e, Publish) and isinstance(e.message, TaskJoin)]

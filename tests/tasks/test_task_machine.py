@@ -1,0 +1,208 @@
+"""Task machines talking over a simulated wire: agreement, churn, pauses below min_members, partitions, scale."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.round import aggregators
+from protocol.task import UpdateAnnounce
+from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Phase,
+                                   RoundClosed, Stage, TaskMachine)
+from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, Swarm, h
+
+
+def final_hashes(sim):
+    return {sim.machines[n].head.weights_hash for n in sim.alive()}
+
+
+def test_three_nodes_agree_every_round_without_waiting_for_deadlines():
+    sim = Swarm(["a", "b", "c"], rounds=3, min_members=3)
+    took = sim.run_until(sim.all_done, 60)
+    assert took <= sim.listen_s + 3 * TRAIN_S + HEARTBEAT_S, "no deadline was needed"
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+    assert all(e.agreed and e.members == 3 for _, e in sim.closed)
+    applied = [e for _, e in sim.events if isinstance(e, Apply)]
+    assert all(len(a.included) == 3 for e in applied for a in e.chosen)
+    assert len([1 for n, e in sim.events if isinstance(e, Aggregate) and e.round == 0]) == 2 * 2
+
+
+def test_every_transition_goes_through_the_tables():
+    m = TaskMachine(task_id=TASK, self_id="a", rounds=1, num_slices=1, aggregators_per_slice=1,
+                    round_deadline_s=1, quiet_after_s=1, listen_s=0, min_members=1, max_members=4, max_samples=9)
+    with pytest.raises(LocalTransitionError):
+        m._to("synced")
+    assert (Phase.COLLECTING, "collected") in PHASES and (Stage.PAUSED, "sync") in STAGES
+
+
+def test_a_member_dying_mid_round_is_waited_for_one_quiet_window_at_most():
+    sim = Swarm(["a", "b", "c", "d"], rounds=4, min_members=2)
+    sim.run_until(lambda: sim.rounds_done("a") >= 1, 30)
+    sim.kill("d")  # between rounds: it is a member of the next one and never publishes
+    took = sim.run_until(sim.all_done, 60)
+    assert took <= 3 * TRAIN_S + QUIET_S + 2 * HEARTBEAT_S
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+    last = [e for n, e in sim.closed if e.round == 3]
+    assert all(e.members == 3 for e in last)
+
+
+def test_all_aggregators_of_a_slice_dead_fail_the_round_the_same_way_everywhere():
+    names = ["a", "b", "c", "d"]
+    agg = aggregators(TASK, 0, 0, names, 1)[0]
+    sim = Swarm(names, rounds=1, slices=1, k=1)
+    sim.mute.add(agg)  # it crashes the moment it should aggregate
+    sim.run_until(lambda: any(isinstance(e, Aggregate) for _, e in sim.events), 30)
+    sim.kill(agg)
+    sim.run_until(sim.all_done, 3 * DEADLINE_S)
+    failed = {n for n, e in sim.events if isinstance(e, Apply) and not e.chosen}
+    assert failed == set(names) - {agg}
+    assert final_hashes(sim) == {INIT.weights_hash}
+
+
+def test_a_node_with_different_weights_is_outvoted_and_resyncs():
+    sim = Swarm(["a", "b", "c"], rounds=2, lie={"c"})
+    sim.run_until(sim.all_done, 60)
+    assert {e.peer_id for _, e in sim.dissents()} == {"c"}
+    resyncs = [(n, e) for n, e in sim.events if isinstance(e, FetchState)]
+    assert {n for n, _ in resyncs} == {"c"}
+    assert len(final_hashes(sim)) == 1
+
+
+def test_a_late_joiner_syncs_follows_and_then_trains():
+    sim = Swarm(["a", "b", "c"], rounds=8)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.add("e")
+    sim.run_until(sim.all_done, 60)
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+    joins = sim.join_msgs("e")
+    assert joins and joins[-1].round >= 5
+    trained = {e.round for n, e in sim.events if n == "e" and type(e).__name__ == "Train"}
+    assert trained and min(trained) == joins[-1].round
+    assert [e.members for n, e in sim.closed if n == "a" and e.round == 7] == [4]
+
+
+def test_a_restarted_node_counts_from_the_round_it_resumes_and_nothing_waits_out_a_deadline():
+    sim = Swarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.kill("c")
+    sim.advance(0.5)
+    sim.restart("c")
+    took = sim.run_until(sim.all_done, 60)
+    assert took < DEADLINE_S
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+    assert any(j.round >= 3 for j in sim.join_msgs("c"))
+
+
+def test_one_node_cut_off_below_min_members_pauses_and_resyncs_after_the_heal():
+    sim = Swarm(["a", "b", "c", "d"], rounds=30, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 5, 30)
+    cut_at = sim.rounds_done("d")
+    sim.split(["a", "b", "c"], ["d"])
+    sim.advance(30.0)
+    assert sim.rounds_done("d") <= cut_at + 1, "d produced rounds alone"
+    assert sim.machines["d"].stage is not Stage.DONE
+    sim.heal()
+    took = sim.run_until(lambda: sim.rounds_done("d") >= sim.rounds_done("a") - 2 and
+                         sim.machines["d"].head.weights_hash in
+                         {sim.history["a"].get(r) for r in range(30)}, 30)
+    assert took <= 2 * (QUIET_S + HEARTBEAT_S)
+    sim.run_until(sim.all_done, 120)
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+
+
+def test_a_two_one_one_split_stops_every_side_then_settles_on_one_history():
+    sim = Swarm(["a", "b", "c", "d"], rounds=30, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 5, 30)
+    before = {n: sim.rounds_done(n) for n in "abcd"}
+    sim.split(["a", "b"], ["c"], ["d"])
+    sim.advance(30.0)
+    assert all(sim.rounds_done(n) <= before[n] + 1 for n in "abcd"), "a side below min_members produced rounds"
+    sim.heal()
+    settle = sim.run_until(lambda: len({sim.machines[n].head.weights_hash for n in "abcd"}) == 1
+                           and len({sim.machines[n].head.round for n in "abcd"}) == 1, 60, step_s=0.5)
+    assert settle <= 2 * TRAIN_S + QUIET_S + 2 * HEARTBEAT_S, "more than two rounds to settle"
+    left = 30 - sim.rounds_done("a")
+    took = sim.run_until(sim.all_done, 300)
+    assert took <= left * (TRAIN_S + HEARTBEAT_S), "a round after the heal waited out a deadline"
+    assert len(final_hashes(sim)) == 1
+
+
+def test_after_a_heal_more_work_wins_and_a_finished_node_on_the_weaker_side_resyncs():
+    sim = Swarm(["a", "b", "c", "d"], rounds=10, min_members=1)
+    sim.run_until(lambda: sim.rounds_done("a") >= 2, 30)
+    sim.split(["a", "b", "c"], ["d"])
+    for n in "abc":
+        sim.kill(n)
+    sim.run_until(lambda: sim.machines["d"].stage is Stage.DONE, 120)  # alone: one contribution a round
+    for n in "abc":
+        sim.restart(n)
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in "abc"), 120)
+    weak, strong = sim.machines["d"].head, sim.machines["a"].head
+    assert weak.round == strong.round and weak.work < strong.work and weak.weights_hash != strong.weights_hash
+    sim.heal()
+    sim.run_until(lambda: sim.machines["d"].head.weights_hash == strong.weights_hash, 30)
+    assert sim.machines["d"].stage is Stage.DONE
+    # The smaller hash did not decide it: the history with more work did.
+    assert any(isinstance(e, FetchState) and e.head.work == strong.work for n, e in sim.events if n == "d")
+
+
+def test_an_update_from_another_base_is_not_aggregated():
+    sim = Swarm(["a", "b", "c"], rounds=1)
+    m = sim.machines["a"]
+    sim.run_until(lambda: m.current == 0, 30, step_s=0.1)
+    stale = UpdateAnnounce(task_id=TASK, round=0, producer="c", base_hash=h("stale"), samples=5,
+                           manifest_ids=(h(1), h(2)), losses=())
+    assert m.handle(stale, sim.now) == [] and m.dropped["wrong_base"] == 1
+    sim.run_until(sim.all_done, 30)
+    applied = [e for n, e in sim.events if isinstance(e, Apply) and n == "a"]
+    assert applied and all(len(c.included) == 3 for e in applied for c in e.chosen)
+
+
+def test_the_next_deadline_is_the_first_quiet_member():
+    sim = Swarm(["a", "b", "c"], rounds=3, min_members=2)
+    m = sim.machines["a"]
+    sim.run_until(lambda: m.current == 0, 30, step_s=0.1)
+    sim.kill("c")
+    sim.advance(TRAIN_S)  # a and b published; c never will
+    d = m.next_deadline()
+    assert d is not None and d <= sim.now + QUIET_S + HEARTBEAT_S
+
+
+def churn(sim, names, *, rng, joins, kills, restarts, split_share):
+    """Joins, deaths and restarts mid-task, then a partition that heals; the task must finish agreeing."""
+    sim.run_until(lambda: sim.rounds_done(names[0]) >= 2, 60)
+    for i in range(joins):
+        sim.add(f"late-{i:03d}")
+    sim.advance(0.2)
+    victims = rng.sample(names, kills)
+    for v in victims:
+        sim.kill(v)
+    sim.run_until(lambda: sim.rounds_done(names[-1]) >= 5, 120)
+    for v in victims[:restarts]:
+        sim.restart(v)
+    sim.run_until(lambda: sim.rounds_done(names[-1]) >= 7, 120)
+    alive = sim.alive()
+    cut = set(rng.sample(alive, int(len(alive) * split_share)))
+    sim.split([n for n in alive if n not in cut], sorted(cut))
+    sim.advance(20.0)
+    sim.heal()
+    sim.run_until(sim.all_done, 300)
+    assert not sim.disagreements(), sim.disagreements()
+    assert len(final_hashes(sim)) == 1
+
+
+def test_sixty_nodes_with_joins_deaths_restarts_and_a_healing_partition_agree():
+    import random
+    names = [f"node-{i:03d}" for i in range(60)]
+    sim = Swarm(names, rounds=12, slices=4, k=2, min_members=31)
+    churn(sim, names, rng=random.Random(1), joins=5, kills=6, restarts=3, split_share=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_thousand_nodes_with_joins_deaths_restarts_and_a_healing_partition_agree():
+    import random
+    names = [f"node-{i:04d}" for i in range(1000)]
+    sim = Swarm(names, rounds=10, slices=4, k=2, min_members=501)
+    churn(sim, names, rng=random.Random(2), joins=20, kills=30, restarts=10, split_share=0.3)
+    closed = [e for _, e in sim.closed if isinstance(e, RoundClosed)]
+    assert max(e.members for e in closed) >= 1000
