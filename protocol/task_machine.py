@@ -243,6 +243,7 @@ class RoundState:
     mine: Head | None = None
     my_update: UpdateAnnounce | None = None
     republish_at: float | None = None
+    waiting_votes: list[str] | None = None
 
 
 @dataclass(kw_only=True)
@@ -276,6 +277,9 @@ class TaskMachine:
     _follow_after_sync: bool | None = True
     _members_cache: dict[int, tuple[list[str], set[str]]] = field(default_factory=dict)
     _started: bool = False
+    _best: Head | None = None
+    _best_dirty: bool = True
+    _zero_joins: set[str] = field(default_factory=set)
     _now: float = float("-inf")
     """The latest ``now`` the caller passed in (next_deadline takes none)."""
 
@@ -308,12 +312,14 @@ class TaskMachine:
             if t > self.heard.get(peer, float("-inf")):
                 self.heard[peer] = t
         self._members_cache.clear()
+        self._best_dirty = True
         return self.tick(now)
 
     def _heard_now(self, peer: str, now: float) -> None:
         if now > self.heard.get(peer, float("-inf")):
             if not self.live(peer, now):
                 self._members_cache.clear()
+                self._best_dirty = True
             self.heard[peer] = now
 
     def _on_history(self, peer: str, rec: RoundState) -> bool:
@@ -386,8 +392,7 @@ class TaskMachine:
         self._now = max(self._now, now)
         if self.stage is Stage.FAILED or (not self._started and type(event) in _WORK_EVENTS):
             return []
-        handler = getattr(self, f"_on_{type(event).__name__}")
-        return handler(event, now)
+        return _HANDLERS[type(event)](self, event, now)
 
     def tick(self, now: float) -> list[Effect]:
         self._now = max(self._now, now)
@@ -396,6 +401,7 @@ class TaskMachine:
         effects: list[Effect] = []
         for until in [h for h, t in self._blocked.items() if t <= now]:
             del self._blocked[until]
+            self._best_dirty = True
         rec = self.rounds_seen.get(self.current)
         if self.stage is Stage.RUNNING and rec is not None:
             effects += self._advance(rec, now)
@@ -437,6 +443,10 @@ class TaskMachine:
         if self.position.get(msg.peer_id) != (msg.round, ""):
             self.position[msg.peer_id] = (msg.round, "")
             self._members_cache.clear()
+            if msg.round == 0:
+                self._zero_joins.add(msg.peer_id)
+            else:
+                self._zero_joins.discard(msg.peer_id)
         self._heard_now(msg.peer_id, now)
         return self.tick(now)
 
@@ -478,6 +488,12 @@ class TaskMachine:
             return []  # a re-announcement: nothing new
         if old is None or msg.round >= old.round:
             self.latest[msg.peer_id] = msg
+            if self._best is not None and self._best.peer_id == msg.peer_id:
+                self._best_dirty = True  # the best peer moved: maybe to something worse
+            elif not self._best_dirty and self._usable(msg, now):
+                head = Head.of(msg)
+                if self._best is None or head.rank() < self._best.rank():
+                    self._best = head
         pos = self.position.get(msg.peer_id)
         # Weights only move a peer forward (a joiner announces the rounds it follows before the one it
         # joins at), and a re-announcement of weights seen before never undoes a later join.
@@ -485,6 +501,7 @@ class TaskMachine:
             if pos != (msg.round + 1, msg.weights_hash):
                 self.position[msg.peer_id] = (msg.round + 1, msg.weights_hash)
                 self._members_cache.clear()
+                self._zero_joins.discard(msg.peer_id)
         rec = self._round(msg.round)
         if rec is not None and rec.phase is not Phase.CLOSED:
             rec.weights[msg.peer_id] = msg
@@ -544,6 +561,7 @@ class TaskMachine:
     def _on_SyncFailed(self, ev: SyncFailed, now: float) -> list[Effect]:
         assert self.stage is Stage.SYNCING, "SyncFailed unasked"
         self._blocked[ev.head.weights_hash] = now + self.quiet_after_s
+        self._best_dirty = True
         self._to("sync_failed")
         self.detail = f"weights {ev.head.weights_hash[:16]} not fetched: {ev.reason}"
         return self._begin(now)
@@ -555,15 +573,27 @@ class TaskMachine:
 
     # -- deciding what to do next ----------------------------------------------------------------
 
+    def _usable(self, w: WeightsAnnounce, now: float) -> bool:
+        return bool(w.state_manifest) and w.weights_hash not in self._blocked and self.live(w.peer_id, now)
+
+    def _best_known(self, now: float) -> Head | None:
+        """The best live peer's head, kept between calls: recomputed only when liveness or a best peer changed."""
+        if self._best_dirty:
+            self._best = best_head(Head.of(w) for w in self.latest.values() if self._usable(w, now))
+            self._best_dirty = False
+        elif self._best is not None and not self.live(self._best.peer_id, now):
+            self._best_dirty = True
+            return self._best_known(now)
+        return self._best
+
     def _better_head(self, now: float) -> tuple[Head, tuple[Head, ...]] | None:
         """A live peer's weights this node should hold instead of its own, and every source of them."""
-        heads = [Head.of(w) for p, w in self.latest.items()
-                 if w.state_manifest and w.weights_hash not in self._blocked and self.live(p, now)]
-        best = best_head(heads)
+        best = self._best_known(now)
         if best is None or (self.head is not None and (best.same_weights(self.head)
                                                         or best.rank() >= self.head.rank())):
             return None
-        return best, tuple(h for h in heads if h.same_weights(best))
+        return best, tuple(Head.of(w) for w in self.latest.values()
+                           if self._usable(w, now) and Head.of(w).same_weights(best))
 
     def _sync(self, best: Head, sources: tuple[Head, ...], reason: str, *, follow: bool | None) -> list[Effect]:
         """``follow``: join JOIN_LEAD_ROUNDS ahead (True), at once (False), or stay a member as we are (None)."""
@@ -606,13 +636,16 @@ class TaskMachine:
         if self.stage is not Stage.LISTENING:
             return []
         effects: list[Effect] = []
-        fresh = any(pos == (0, "") for p, pos in self.position.items())
+        fresh = bool(self._zero_joins)
         if not (fresh or now >= self._listen_until):
             return []
         if not self._joined_zero:
             self._joined_zero = True
             effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=0)))
-        count = 1 + sum(1 for p, pos in self.position.items() if pos == (0, "") and self.live(p, now))
+        # Counting live joiners only once enough have joined keeps a 1,000-node start linear.
+        count = 1 + len(self._zero_joins)
+        if count >= self.min_members:
+            count = 1 + sum(1 for p in self._zero_joins if self.live(p, now))
         self.detail = f"waiting for members ({count}/{self.min_members})"
         if count >= self.min_members:
             self._to("sync")
@@ -722,9 +755,13 @@ class TaskMachine:
 
     def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
         voters = rec.weights
-        # any() stops at the first live member still to vote, which keeps a 1,000-member round near linear.
+        if rec.waiting_votes is None:
+            rec.waiting_votes = [p for p in reversed(rec.members) if p != self.self_id]
+        # Members still to vote, popped as they vote: a 1,000-member round stays linear in its messages.
+        while rec.waiting_votes and rec.waiting_votes[-1] in voters:
+            rec.waiting_votes.pop()
         if now < rec.applied_at + self.round_deadline_s and any(
-                p not in voters and p != self.self_id and self.live(p, now) for p in rec.members):
+                p not in voters and self.live(p, now) for p in reversed(rec.waiting_votes)):
             return []
         self._move(rec, "voted")
         winner, num_for, num_against = vote(rec.mine, voters)
@@ -753,3 +790,8 @@ class TaskMachine:
                 "head": self.head.round if self.head else None, "work": self.head.work if self.head else 0,
                 "members": self.members(rec, now) if rec is not None and rec.base is not None else [],
                 "updates": len(rec.updates) if rec else 0, "dropped": dict(self.dropped)}
+
+
+_HANDLERS = {kind: getattr(TaskMachine, f"_on_{kind.__name__}")
+             for kind in (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, Trained, Aggregated, Applied,
+                          Synced, SyncFailed, WorkFailed)}

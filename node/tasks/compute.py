@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from node.fsutil import write_atomic
-from node.train.compress import decode_int8, encode_int8, encoded_size, tensor_bytes
+from node.train.compress import check_int8, decode_int8, encode_int8, encoded_size, tensor_bytes
 from node.train.diloco import (Named, OuterNesterov, flatten, load_named, named_tensors, save_named, unflatten,
-                               weighted_mean_by_peer, weights_hash)
+                               weights_hash)
 from node.train.model import ModelConfig, init_model
 from protocol.errors import IntegrityError
 from protocol.manifest import Manifest
@@ -64,12 +65,26 @@ def decode_slice(data: bytes, numel: int) -> torch.Tensor:
         raise IntegrityError(f"bad int8 slice: {exc}") from None
 
 
-def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytes, str]:
-    """Weighted mean (by samples, sorted producer order) of decoded slices, int8-encoded, and its hash."""
-    updates = {peer: ({"d": decode_slice(data, numel)}, float(samples)) for peer, (data, samples) in slices.items()}
-    mean = weighted_mean_by_peer(updates)["d"]
-    data = encode_int8(mean)
-    return data, hashlib.sha256(data).hexdigest()
+def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytes, str, list[str]]:
+    """Weighted mean (by samples, sorted producer order) of the slices, int8-encoded, its hash, and the
+    producers whose slice did not decode (left out). Streams: one decoded slice in memory at a time,
+    with the same operations in the same order as diloco.weighted_mean, so every aggregator agrees."""
+    bad = []
+    for peer in sorted(slices):
+        try:
+            check_int8(slices[peer][0], numel)
+        except ValueError:
+            bad.append(peer)
+    good = [peer for peer in sorted(slices) if peer not in bad]
+    if not good:
+        raise IntegrityError("no slice decoded")
+    total = math.fsum(float(slices[p][1]) for p in good)
+    acc = torch.zeros(numel, dtype=torch.float32)
+    for peer in good:
+        data, samples = slices[peer]
+        acc = acc + decode_int8(data, numel) * torch.tensor(float(samples) / total, dtype=torch.float32)
+    out = encode_int8(acc)
+    return out, hashlib.sha256(out).hexdigest(), bad
 
 
 @dataclass
@@ -79,15 +94,24 @@ class OuterState:
     round: int
     weights: Named
     outer: OuterNesterov
+    work: int = 0
+    """Contributions applied in the history behind these weights (see protocol/round.py)."""
+    hashes: tuple[str, str] | None = None
+    """(weights hash, state hash) once computed or verified: the tensors never change in place."""
+
+    def _hashes(self) -> tuple[str, str]:
+        if self.hashes is None:
+            self.hashes = (weights_hash(self.weights), weights_hash(self.state_tensors()))
+        return self.hashes
 
     def weights_hash(self) -> str:
-        return weights_hash(self.weights)
+        return self._hashes()[0]
 
     def state_tensors(self) -> Named:
         return {**self.weights, **self.outer.state_dict()}
 
     def state_hash(self) -> str:
-        return weights_hash(self.state_tensors())
+        return self._hashes()[1]
 
 
 def new_state(spec: TaskSpec) -> OuterState:
@@ -95,14 +119,16 @@ def new_state(spec: TaskSpec) -> OuterState:
                       outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
 
 
-def apply_aggregates(state: OuterState, payloads: list[bytes]) -> OuterState:
+def apply_aggregates(state: OuterState, payloads: list[bytes], work: int) -> OuterState:
     """θ_{r+1} from the chosen aggregate of every slice, through the deterministic outer Nesterov step."""
     flat, layout = flatten(state.weights)
     bounds = slice_bounds(flat.numel(), len(payloads))
     mean = torch.cat([decode_slice(p, b - a) for p, (a, b) in zip(payloads, bounds)])
     update = unflatten(mean, layout)
-    weights = state.outer.step(state.weights, update)
-    return OuterState(round=state.round + 1, weights=weights, outer=state.outer)
+    outer = OuterNesterov(lr=state.outer.lr, momentum=state.outer.momentum)
+    outer.buffers = dict(state.outer.buffers)  # step() replaces buffers, never mutates them: θ_r stays whole
+    weights = outer.step(state.weights, update)
+    return OuterState(round=state.round + 1, weights=weights, outer=outer, work=work)
 
 
 def state_from_initial(spec: TaskSpec, tensors: Named) -> OuterState:
@@ -121,7 +147,8 @@ def state_from_initial(spec: TaskSpec, tensors: Named) -> OuterState:
     return OuterState(round=0, weights=weights, outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
 
 
-def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_: str, state_hash: str) -> OuterState:
+def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_: str, state_hash: str,
+                       work: int) -> OuterState:
     """Weights and momentum fetched from a peer, verified against the hashes the majority announced."""
     tensors = {name: t.clone() for name, t in tensors.items()}
     weights = {n: t for n, t in sorted(tensors.items()) if not n.startswith(MOMENTUM_PREFIX)}
@@ -133,7 +160,7 @@ def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_:
         raise IntegrityError("fetched weights or optimizer state do not match the majority's hashes")
     outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
     outer.load_state_dict(momentum)
-    return OuterState(round=r, weights=weights, outer=outer)
+    return OuterState(round=r, weights=weights, outer=outer, work=work, hashes=(weights_hash_, state_hash))
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -143,7 +170,8 @@ def save_checkpoint(directory: Path, state: OuterState) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     save_named(directory / "weights.safetensors", state.weights)
     save_named(directory / "momentum.safetensors", state.outer.state_dict())
-    meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash()}
+    meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash(),
+            "work": state.work}
     write_atomic(directory / "meta.json", json.dumps(meta).encode())
     return meta
 
@@ -158,7 +186,7 @@ def load_checkpoint(directory: Path, spec: TaskSpec) -> OuterState | None:
         return None
     outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
     outer.load_state_dict(momentum)
-    state = OuterState(round=int(meta["round"]), weights=weights, outer=outer)
+    state = OuterState(round=int(meta["round"]), weights=weights, outer=outer, work=int(meta.get("work", 0)))
     if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
         return None
     return state

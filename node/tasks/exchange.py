@@ -1,39 +1,41 @@
-"""A task's SHARDCAST traffic: update slices, aggregates, weights and the dataset, each verified on arrival."""
+"""A task's SHARDCAST traffic: update slices, aggregates, weights and the dataset, each verified on arrival.
+
+It knows nothing of the runner: it is handed the store, the spec and how to charge a peer, and it
+answers the task machine's work effects (Aggregate, Apply, FetchState) with their results.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
 from node.tasks import compute
-from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.envelope import seal
+from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
+from protocol.keys import Keypair
 from protocol.manifest import KIND_FILE, KIND_TENSORS, Manifest, manifest_id
-from protocol.round import Aggregate, Apply, RoundFailed
-from protocol.task import AggregateAnnounce, DatasetOffer, WeightsAnnounce
-
-if TYPE_CHECKING:
-    from node.tasks.runner import TaskRunner
+from protocol.round import Head, round_work
+from protocol.task import DatasetOffer, TaskSpec
+from protocol.task_machine import Aggregate, Aggregated, Apply
 
 log = logging.getLogger("shoal.tasks")
 
 
 class Exchange:
-    def __init__(self, runner: "TaskRunner"):
-        self.runner = runner
+    def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
+                 penalize: Callable[[str, str], None]):
+        self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
+        self.me, self.keypair, self.penalize = keypair.peer_id, keypair, penalize
         self.offers: dict[str, DatasetOffer] = {}
+        self._offers_changed = trio.Event()
         self._offer_path: Path | None = None
         self._offer_id = ""
         self._offer_sealed = b""
-
-    @property
-    def shardcast(self):
-        return self.runner.node.shardcast
 
     # -- fetching with verification ------------------------------------------------------------
 
@@ -61,8 +63,8 @@ class Exchange:
         return compute.payload_bytes(manifest, tensors, numel)
 
     def _slice_numel(self, slice_index: int) -> int:
-        n = self.runner.spec.model.num_params()
-        a, b = compute.slice_bounds(n, self.runner.spec.aggregation_shards)[slice_index]
+        n = self.spec.model.num_params()
+        a, b = compute.slice_bounds(n, self.spec.aggregation_shards)[slice_index]
         return b - a
 
     # -- publishing ------------------------------------------------------------------------------
@@ -77,71 +79,78 @@ class Exchange:
 
     # -- aggregation -----------------------------------------------------------------------------
 
-    async def aggregate(self, job: Aggregate) -> None:
-        """Fetch slice ``job.slice`` from every producer, verify, average, publish and announce."""
-        runner, numel = self.runner, self._slice_numel(job.slice)
+    async def aggregate(self, job: Aggregate) -> Aggregated | None:
+        """Fetch slice ``job.slice`` from every producer, verify, average and store it (None: nothing arrived)."""
+        numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s
         got: dict[str, tuple[bytes, int]] = {}
 
         async def one(update) -> None:
             try:
-                data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
-                                                 runner.spec.round_deadline_s)
-                compute.decode_slice(data, numel)
+                data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel, deadline_s)
                 got[update.producer] = (data, update.samples)
             except RemoteProtocolError as exc:
-                log.warning("task %s round %d: slice %d from %s rejected: %s", runner.tid[:12], job.round,
+                log.warning("task %s round %d: slice %d from %s rejected: %s", self.tid[:12], job.round,
                             job.slice, update.producer, exc)
-                runner.node.membership.penalize(update.producer, "corrupt_shard")
+                self.penalize(update.producer, "corrupt_shard")
             except (TransportError, trio.TooSlowError) as exc:
-                log.info("task %s round %d: slice %d from %s not fetched: %s", runner.tid[:12], job.round,
+                log.info("task %s round %d: slice %d from %s not fetched: %s", self.tid[:12], job.round,
                          job.slice, update.producer, exc or "timeout")
 
         async with trio.open_nursery() as nursery:
             for update in job.updates:
                 nursery.start_soon(one, update)
         if not got:
-            return
-        data, result_hash = await trio.to_thread.run_sync(compute.aggregate, got, numel)
-        manifest_id = await self.publish_payload(data, f"task/{runner.tid[:12]}/r{job.round}/a{job.slice}")
-        await runner.publish(AggregateAnnounce(
-            task_id=runner.tid, round=job.round, slice=job.slice, aggregator=runner.me,
-            included=tuple(sorted(got)), manifest_id=manifest_id, result_hash=result_hash))
+            return None
+        try:
+            # Decoded once, here, where it is combined: a slice that does not decode is its producer's fault.
+            data, result_hash, bad = await trio.to_thread.run_sync(compute.aggregate, got, numel)
+        except IntegrityError as exc:
+            log.warning("task %s round %d: slice %d not aggregated: %s", self.tid[:12], job.round, job.slice, exc)
+            return None
+        for producer in bad:
+            self.penalize(producer, "corrupt_shard")
+        included = tuple(sorted(p for p in got if p not in bad))
+        if not included:
+            return None
+        manifest_id_ = await self.publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")
+        return Aggregated(round=job.round, slice=job.slice, included=included, manifest_id=manifest_id_,
+                          result_hash=result_hash)
 
-    async def apply(self, state: compute.OuterState, outcome: Apply | RoundFailed) -> compute.OuterState:
+    async def apply(self, state: compute.OuterState, job: Apply) -> compute.OuterState:
         """θ_{r+1}: the chosen aggregates through the outer step, or θ_r again when the round failed."""
-        runner = self.runner
-        if isinstance(outcome, RoundFailed):
-            log.warning("task %s round %d failed: %s; keeping the weights", runner.tid[:12], outcome.round,
-                        outcome.reason)
-            return compute.OuterState(round=state.round + 1, weights=state.weights, outer=state.outer)
-        payloads: list[bytes | None] = [None] * len(outcome.chosen)
+        kept = compute.OuterState(round=state.round + 1, weights=state.weights, outer=state.outer, work=state.work,
+                                  hashes=state.hashes)
+        if not job.chosen:
+            log.warning("task %s round %d failed: %s; keeping the weights", self.tid[:12], job.round, job.reason)
+            return kept
+        payloads: list[bytes | None] = [None] * len(job.chosen)
 
-        async def one(i: int, chosen: AggregateAnnounce) -> None:
-            rec = runner.machine.rounds.get(outcome.round)
-            same = [chosen] + [a for a in (rec.aggregates.get(chosen.slice, {}).values() if rec else ())
-                               if a.result_hash == chosen.result_hash and a is not chosen]
-            for candidate in same:
+        async def one(i: int) -> None:
+            chosen = job.chosen[i]
+            for candidate in (chosen, *(job.same[i] if job.same else ())):
                 try:
                     data = await self._fetch_payload(candidate.manifest_id, candidate.aggregator,
-                                                     self._slice_numel(chosen.slice), runner.spec.round_deadline_s)
+                                                     self._slice_numel(chosen.slice), self.spec.round_deadline_s)
+                    # The store verified every shard on arrival; this checks the aggregator's claim.
                     if hashlib.sha256(data).hexdigest() != chosen.result_hash:
                         raise IntegrityError("aggregate does not match its announced hash")
                     payloads[i] = data
                     return
                 except RemoteProtocolError as exc:
-                    runner.node.membership.penalize(candidate.aggregator, "corrupt_shard")
+                    self.penalize(candidate.aggregator, "corrupt_shard")
                     log.warning("aggregate from %s rejected: %s", candidate.aggregator, exc)
                 except (TransportError, trio.TooSlowError) as exc:
                     log.info("aggregate from %s not fetched: %s", candidate.aggregator, exc or "timeout")
 
         async with trio.open_nursery() as nursery:
-            for i, chosen in enumerate(outcome.chosen):
-                nursery.start_soon(one, i, chosen)
+            for i in range(len(job.chosen)):
+                nursery.start_soon(one, i)
         if any(p is None for p in payloads):
-            # Our weights will differ from the majority's; the weights vote then re-syncs us.
-            log.warning("task %s round %d: an aggregate could not be fetched", runner.tid[:12], outcome.round)
-            return compute.OuterState(round=state.round + 1, weights=state.weights, outer=state.outer)
-        return await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads)
+            # Our weights will differ from the vote's winner; the vote then re-syncs us.
+            log.warning("task %s round %d: an aggregate could not be fetched", self.tid[:12], job.round)
+            return kept
+        return await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads,
+                                             state.work + round_work(job.chosen))
 
     async def fetch_initial(self, manifest_hex: str) -> dict:
         """The spec's initial weights: a tensors manifest, or a file manifest of a safetensors file.
@@ -149,15 +158,14 @@ class Exchange:
         Any signer will do: the id pins the manifest, which pins every shard's hash. Safetensors is
         parsed, never executed. Layout checks are the caller's (compute.state_from_initial).
         """
-        runner = self.runner
-        with trio.fail_after(runner.spec.round_deadline_s):
+        with trio.fail_after(self.spec.round_deadline_s):
             manifest = await self.shardcast.fetch(bytes.fromhex(manifest_hex))
         if manifest.kind == KIND_TENSORS:
             return await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
-        limit = 64 * runner.spec.model.num_params() + (1 << 20)
+        limit = 64 * self.spec.model.num_params() + (1 << 20)
         if manifest.total_bytes > limit:
             raise IntegrityError(f"initial weights file of {manifest.total_bytes} bytes is far larger than the model")
-        path = runner.dir / "init.safetensors"
+        path = self.dir / "init.safetensors"
 
         def load() -> dict:
             from node.train.diloco import load_named
@@ -170,34 +178,28 @@ class Exchange:
 
     # -- weights for joiners and dissenters --------------------------------------------------------
 
-    async def fetch_state(self, r: int, weights_hash: str, state_hash: str,
-                          sources: tuple[WeightsAnnounce, ...]) -> compute.OuterState | None:
-        """θ_r and the outer state from the first source that delivers bytes matching both hashes."""
-        runner = self.runner
+    async def fetch_state(self, head: Head, sources: tuple[Head, ...],
+                          have: compute.OuterState | None) -> compute.OuterState | None:
+        """θ_{head.round} and the outer state from the first source whose bytes match both hashes
+        (``have`` itself when it already is those weights, as after a restart)."""
+        if have is not None and have.round == head.round and have.weights_hash() == head.weights_hash \
+                and have.state_hash() == head.state_hash:
+            have.work = head.work
+            return have
         for source in sources:
-            if not source.state_manifest or source.peer_id == runner.me:
+            if not source.state_manifest or source.peer_id == self.me:
                 continue
             try:
-                _, tensors = await self._fetch(source.state_manifest, source.peer_id, runner.spec.round_deadline_s)
+                _, tensors = await self._fetch(source.state_manifest, source.peer_id, self.spec.round_deadline_s)
                 return await trio.to_thread.run_sync(lambda: compute.state_from_tensors(
-                    runner.spec, r, tensors, weights_hash_=weights_hash, state_hash=state_hash))
+                    self.spec, head.round, tensors, weights_hash_=head.weights_hash, state_hash=head.state_hash,
+                    work=head.work))
             except RemoteProtocolError as exc:
-                runner.node.membership.penalize(source.peer_id, "corrupt_shard")
+                self.penalize(source.peer_id, "corrupt_shard")
                 log.warning("weights from %s rejected: %s", source.peer_id, exc)
             except (TransportError, trio.TooSlowError) as exc:
                 log.info("weights from %s not fetched: %s", source.peer_id, exc or "timeout")
         return None
-
-    async def sync(self, latest, saved: compute.OuterState | None) -> compute.OuterState | None:
-        r, weights_hash, state_hash, sources = latest
-        if saved is not None and saved.round == r + 1 and saved.weights_hash() == weights_hash \
-                and saved.state_hash() == state_hash:
-            return saved
-        self.runner.detail = f"fetching the weights after round {r} from {len(sources)} peer(s)"
-        state = await self.fetch_state(r + 1, weights_hash, state_hash, sources)
-        if state is not None:
-            await trio.to_thread.run_sync(compute.save_checkpoint, self.runner.dir, state)
-        return state
 
     # -- the dataset -------------------------------------------------------------------------------
 
@@ -205,8 +207,10 @@ class Exchange:
         self._offer_path = path
 
     def on_offer(self, offer: DatasetOffer) -> None:
-        if offer.sha256 == self.runner.spec.dataset.sha256 and len(self.offers) < 64:
+        if offer.sha256 == self.spec.dataset.sha256 and len(self.offers) < 64 and offer.manifest_id not in self.offers:
             self.offers[offer.manifest_id] = offer
+            self._offers_changed.set()
+            self._offers_changed = trio.Event()
 
     async def current_offer(self) -> bytes:
         """Our sealed DatasetOffer, re-published whenever the store let the file's manifest go."""
@@ -217,23 +221,22 @@ class Exchange:
             self._offer_id = _manifest_hex(m)
             self._offer_sealed = b""
         if not self._offer_sealed:
-            self._offer_sealed = seal(DatasetOffer(task_id=self.runner.tid, sha256=self.runner.spec.dataset.sha256,
-                                                   manifest_id=self._offer_id), self.runner.node.keypair)
+            self._offer_sealed = seal(DatasetOffer(task_id=self.tid, sha256=self.spec.dataset.sha256,
+                                                   manifest_id=self._offer_id), self.keypair)
         return self._offer_sealed
 
-    async def fetch_dataset(self, dest: Path) -> None:
+    async def fetch_dataset(self, dest: Path, wait_s: float) -> None:
         """Wait for a peer's offer, fetch the file and keep it only if its sha256 is the spec's."""
-        runner = self.runner
-        want = runner.spec.dataset.sha256
+        want = self.spec.dataset.sha256
         tried: set[str] = set()
-        with trio.move_on_after(runner.options.dataset_wait_s):
+        with trio.move_on_after(wait_s):
             while True:
                 for mid in [m for m in self.offers if m not in tried]:
                     tried.add(mid)
                     try:
-                        with trio.fail_after(runner.spec.round_deadline_s):
+                        with trio.fail_after(self.spec.round_deadline_s):
                             manifest = await self.shardcast.fetch(bytes.fromhex(mid))
-                        if manifest.kind != KIND_FILE or manifest.total_bytes > runner.spec.dataset.max_bytes:
+                        if manifest.kind != KIND_FILE or manifest.total_bytes > self.spec.dataset.max_bytes:
                             raise IntegrityError("dataset offer is not a file of the promised size")
                         tmp = dest.with_name(dest.name + f".{os.getpid()}.part")
                         await trio.to_thread.run_sync(self.shardcast.export_file, manifest, tmp)
@@ -245,9 +248,9 @@ class Exchange:
                         return
                     except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
                         log.warning("dataset offer %s failed: %s", mid[:16], exc or "timeout")
-                await runner.wait_changed(0.5)
+                await self._offers_changed.wait()
         raise TaskRejected(f"dataset {want[:16]}... differs from this node's stdlib corpus and no peer "
-                           f"delivered it within {runner.options.dataset_wait_s:.0f} s")
+                           f"delivered it within {wait_s:.0f} s")
 
 
 def _manifest_hex(m: Manifest) -> str:

@@ -1,8 +1,15 @@
-"""One task on one node: join or resume, then DiLoCo rounds over SHARDCAST, driven by the round machine."""
+"""One task on one node: the executor of the task machine's effects, over gossip, SHARDCAST and the trainer.
+
+Every decision is the machine's (protocol/task_machine.py). This loop feeds it each verified task
+message, the peer table's last-heard times and the results of the work it asked for, then sleeps
+until the next event or ``next_deadline()``. Work (training, aggregation, the outer step, fetching
+weights) runs in tasks of its own and reports back as an event, so nothing here blocks a message.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,24 +22,28 @@ from node.train.data import derive_seed, load_or_build, split_ranges
 from node.train.diloco import load_named
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
-from protocol.envelope import Signed, open_sealed, seal
+from protocol.envelope import open_sealed, seal
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.rendezvous import assign_shards
-from protocol.round import Agreed, Aggregate, Apply, Dissent, Resync, RoundFailed, RoundMachine
-from protocol.task import (TASK_MESSAGES, AggregateAnnounce, DatasetOffer, TaskJoin, TaskSpec, UpdateAnnounce,
-                           WeightsAnnounce, task_topic)
+from protocol.round import Head
+from protocol.task import TASK_MESSAGES, DatasetOffer, TaskSpec, WeightsAnnounce, task_topic
+from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, MakeInitial, Publish,
+                                   RoundClosed, Stage, Synced, SyncFailed, TaskMachine, Train, Trained, WorkFailed)
 
 log = logging.getLogger("shoal.tasks")
 
 MAX_TASK_MESSAGE_BYTES = 64 * 1024
-TICK_S = 0.1
 MAX_DISSENTS = 32
-
-
-JOIN_LEAD_ROUNDS = 2
-"""A late joiner produces from this many rounds after the one it synced to."""
 MAX_STATUS_ROUNDS = 200
 """Per-round history kept in /status: enough for dashboards and the swarm launcher, bounded for long tasks."""
+EVENT_QUEUE = 1024
+
+
+def head_of(state: compute.OuterState | None, peer_id: str = "") -> Head | None:
+    if state is None:
+        return None
+    return Head(round=state.round, weights_hash=state.weights_hash(), state_hash=state.state_hash(),
+                work=state.work, peer_id=peer_id)
 
 
 class TaskRunner:
@@ -40,68 +51,62 @@ class TaskRunner:
         self.node, self.spec, self.tid, self.dir, self.options = node, spec, tid, directory, options
         self.me = node.keypair.peer_id
         self.topic = task_topic(tid)
-        self.machine = RoundMachine(
-            task_id=tid, self_id=self.me, num_slices=spec.aggregation_shards,
+        cfg = node.config
+        self.machine = TaskMachine(
+            task_id=tid, self_id=self.me, rounds=spec.rounds, num_slices=spec.aggregation_shards,
             aggregators_per_slice=spec.aggregators_per_shard, round_deadline_s=spec.round_deadline_s,
-            max_samples=spec.inner_steps * spec.batch_size, max_members=spec.max_members)
-        self.exchange = Exchange(self)
+            quiet_after_s=cfg.suspect_after_s, listen_s=options.listen_s, min_members=spec.min_members,
+            max_members=spec.max_members, max_samples=spec.inner_steps * spec.batch_size)
+        self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
+                                 keypair=node.keypair, penalize=node.membership.penalize)
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""
         self.eval_losses: list[tuple[int, float]] = []
-        self.train_losses: list[tuple[int, float]] = []
         self.agreement: list[dict] = []
         self.dissents: list[dict] = []
         self.latest_weights: bytes = b""
-        self.offer: bytes = b""
         self.corpus_path: Path | None = None
-        self._outcomes: dict[int, Any] = {}
-        self._verdicts: dict[int, Any] = {}
-        self._changed = trio.Event()
+        self._send, self._events = trio.open_memory_channel(EVENT_QUEUE)
         self._bytes_at_start = (0, 0)
-        self.observe_rounds: set[int] = set()
-        self._hash_of: tuple[int, str] = (-1, "")
+        self._round_started: dict[int, float] = {}
+        self._round_train_s: dict[int, float] = {}
+        self._eval: dict[int, float] = {}
         self.train_s = 0.0
-        self._round_train_s = 0.0
         """Seconds the trainer child reported training, all rounds together."""
         self.rounds_s = 0.0
         """Wall seconds of the rounds this node took part in, from round start to the weights verdict."""
 
     # -- status ----------------------------------------------------------------------------------
 
-    def _weights_hash(self) -> str | None:
-        # Polled by watchers every fraction of a second: hashing the weights each time would put
-        # a full pass over the model on the trio thread, so the hash is kept per state object.
-        if self.state is None:
-            return None
-        if self._hash_of[0] != id(self.state):
-            self._hash_of = (id(self.state), self.state.weights_hash())
-        return self._hash_of[1]
-
     def status(self) -> dict:
         stats = self.node.shardcast.statistics()
-        r = self.state.round if self.state else None
+        m = self.machine.statistics(trio.current_time())
         return {
-            "id": self.tid, "name": self.spec.name, "phase": self.phase, "detail": self.detail,
-            "round": r, "rounds": self.spec.rounds,
-            "members": self.machine.members(max(self.machine.current, 0)),
-            "weights_hash": self._weights_hash(),
+            "id": self.tid, "name": self.spec.name, "phase": self.phase, "detail": self.detail or m["detail"],
+            "round": self.state.round if self.state else None, "rounds": self.spec.rounds,
+            "stage": m["stage"], "work": m["work"], "members": m["members"],
+            "weights_hash": self.state.weights_hash() if self.state else None,
             "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
             "eval_losses": [[i, round(x, 4)] for i, x in self.eval_losses],
             "agreement": self.agreement[-MAX_STATUS_ROUNDS:], "dissents": self.dissents[-5:],
             "bytes": {"sent": stats.bytes_served - self._bytes_at_start[0],
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
-            "dropped": dict(self.machine.dropped),
+            "dropped": m["dropped"],
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
         }
 
-    async def wait_changed(self, timeout_s: float) -> None:
-        with trio.move_on_after(timeout_s):
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+    def _set_phase(self) -> None:
+        m = self.machine
+        if self.phase in ("failed", "declined"):
+            return
+        rec = m.rounds_seen.get(m.current)
+        if m.stage is Stage.DONE:
+            self.phase = "finished"
+        elif m.stage is Stage.RUNNING and rec is not None and rec.phase is not None:
+            self.phase = f"round {m.current}: {rec.phase.value if rec.producing or rec.phase.value != 'collecting' else 'following'}"
+        else:
+            self.phase = m.stage.value
 
     # -- gossip ----------------------------------------------------------------------------------
 
@@ -116,15 +121,15 @@ class TaskRunner:
             return False
         return True
 
-    async def publish(self, msg: Any) -> bytes:
+    async def _publish(self, msg: Any) -> None:
         sealed = seal(msg, self.node.keypair)
-        self.on_signed(Signed(signer=self.me, message=msg, payload=b""))
+        if isinstance(msg, WeightsAnnounce):
+            self.latest_weights = sealed
         try:
             await self.node.host.publish(self.topic, sealed)
             self.node.traffic.messages_out[self.topic] += 1
         except TransportError as exc:
             log.debug("task message not published: %s", exc)
-        return sealed
 
     async def _consume(self, messages) -> None:
         async for msg in messages:
@@ -133,47 +138,12 @@ class TaskRunner:
                 signed = open_sealed(msg.data, max_bytes=MAX_TASK_MESSAGE_BYTES, expect=TASK_MESSAGES)
             except RemoteProtocolError:
                 continue  # judged by the validator
-            self.on_signed(signed)
-
-    def on_signed(self, signed: Signed) -> None:
-        m, now = signed.message, trio.current_time()
-        if isinstance(m, TaskJoin):
-            self.machine.on_join(m)
-            effects = self.machine.tick(now)
-        elif isinstance(m, UpdateAnnounce):
-            effects = self.machine.on_update(m, now)
-        elif isinstance(m, AggregateAnnounce):
-            effects = self.machine.on_aggregate(m, now)
-        elif isinstance(m, WeightsAnnounce):
-            effects = self.machine.on_weights(m, now)
-        else:
-            self.exchange.on_offer(m)
-            effects = []
-        self.dispatch(effects)
-        self._notify()
-
-    def dispatch(self, effects) -> None:
-        for e in effects:
-            if isinstance(e, Aggregate):
-                self._nursery.start_soon(self.exchange.aggregate, e)
-            elif isinstance(e, (Apply, RoundFailed)):
-                self._outcomes[e.round] = e
-            elif isinstance(e, (Agreed, Resync)):
-                self._verdicts[e.round] = e
-            elif isinstance(e, Dissent):
-                log.warning("task %s round %d: peer %s announced weights %s, not the majority's",
-                            self.tid[:12], e.round, e.peer_id, e.weights_hash[:16])
-                self.dissents = (self.dissents + [{"round": e.round, "peer_id": e.peer_id,
-                                                   "weights_hash": e.weights_hash}])[-MAX_DISSENTS:]
-        if effects:
-            self._notify()
-
-    async def _tick(self) -> None:
-        while True:
-            table = self.node.membership.table.peers
-            alive = {p for p, rec in table.items() if rec.state.value != "dead"} | {self.me}
-            self.dispatch(self.machine.set_alive(alive, trio.current_time()))
-            await trio.sleep(TICK_S)
+            if signed.signer == self.me:
+                continue  # the machine took our own messages into account when it made them
+            if isinstance(signed.message, DatasetOffer):
+                self.exchange.on_offer(signed.message)
+            else:
+                await self._send.send(signed.message)
 
     async def _announce(self) -> None:
         """Re-gossip the spec and our latest weights, so peers that arrive later can find and join us."""
@@ -197,7 +167,6 @@ class TaskRunner:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._consume, messages)
-            nursery.start_soon(self._tick)
             nursery.start_soon(self._announce)
             task_status.started()
             try:
@@ -218,7 +187,8 @@ class TaskRunner:
             await trio.to_thread.run_sync(load_or_build, cache, ds.max_bytes, ds.sha256)
         except ConfigError:
             self.phase, self.detail = "fetching dataset", f"local corpus differs from {ds.sha256[:16]}"
-            await self.exchange.fetch_dataset(cache / f"{ds.sha256}.corpus")
+            await self.exchange.fetch_dataset(cache / f"{ds.sha256}.corpus", self.options.dataset_wait_s)
+            self.detail = ""
         return cache / f"{ds.sha256}.corpus"
 
     async def _run_task(self) -> None:
@@ -229,55 +199,125 @@ class TaskRunner:
         async with open_trainer(env=self.options.trainer_env()) as trainer:
             self.trainer = trainer
             await trainer.ping()
-            self.phase = "syncing"
-            state = await self._choose_start()
-            while state.round < self.spec.rounds:
-                self.state = state
-                state = await self._round(state)
-            self.state = state
-        self.phase, self.detail = "finished", f"{self.spec.rounds} rounds"
-        log.info("task %s finished: eval losses %s", self.tid[:12], [round(x, 4) for _, x in self.eval_losses])
+            self.state = await trio.to_thread.run_sync(compute.load_checkpoint, self.dir, self.spec)
+            await self._drive()
 
-    async def _wait(self, table: dict, r: int, what: str, timeout_s: float):
-        with trio.fail_after(timeout_s):
-            while r not in table:
-                await self._changed.wait()
-        self.detail = ""
-        return table.pop(r)
+    def _heard(self) -> dict[str, float]:
+        return {p: rec.last_seen for p, rec in self.node.membership.table.peers.items()}
 
-    async def _choose_start(self) -> compute.OuterState:
-        """Resume, sync to the swarm's majority weights, or start round 0 once enough peers joined."""
-        saved = await trio.to_thread.run_sync(compute.load_checkpoint, self.dir, self.spec)
-        listen_until = trio.current_time() + self.options.listen_s
-        joined = False
-        while True:
-            latest = self.machine.latest_majority()
-            if latest is not None:
-                sync_started_s = trio.current_time()
-                state = await self.exchange.sync(latest, saved)
-                if state is not None:
-                    if state is not saved:
-                        self._record_sync(latest, trio.current_time() - sync_started_s)
-                    # The swarm may be mid-round already. Join JOIN_LEAD_ROUNDS ahead and only follow
-                    # until then, so every member has our TaskJoin before the first round that counts
-                    # us: members who disagree on membership pick different aggregators.
-                    first = state.round + JOIN_LEAD_ROUNDS
-                    self.observe_rounds = set(range(state.round, first))
-                    await self.publish(TaskJoin(task_id=self.tid, peer_id=self.me, round=first))
-                    return state
-            fresh = any(r == 0 for p, r in self.machine.joins.items() if p != self.me)
-            if latest is None and (fresh or trio.current_time() >= listen_until):
-                if saved is not None and saved.round > 0:
-                    return saved  # nobody to ask: continue alone from our own checkpoint
-                if not joined:
-                    joined = True
-                    await self.publish(TaskJoin(task_id=self.tid, peer_id=self.me, round=0))
-                members = self.machine.members(0)
-                self.detail = f"waiting for members ({len(members)}/{self.spec.min_members})"
-                if len(members) >= self.spec.min_members:
-                    return saved or await self._initial_state()
-            with trio.move_on_after(0.25):
-                await self._changed.wait()
+    async def _drive(self) -> None:
+        """Feed the machine until the trainer fails; a finished task keeps serving and re-syncing."""
+        m = self.machine
+        now = trio.current_time()
+        m.set_heard(self._heard(), now)
+        self._execute(m.start(head_of(self.state, self.me), now))
+        while m.stage is not Stage.FAILED:
+            self._set_phase()
+            deadline = m.next_deadline()
+            event = None
+            with trio.move_on_at(deadline if deadline is not None else math.inf):
+                event = await self._events.receive()
+            now = trio.current_time()
+            effects = m.set_heard(self._heard(), now)
+            if event is not None:
+                effects += m.handle(event, now)
+            self._execute(effects)
+        if self.phase != "declined":
+            raise TrainerCrashed(m.detail)
+
+    # -- effects ---------------------------------------------------------------------------------
+
+    def _execute(self, effects) -> None:
+        for e in effects:
+            if isinstance(e, Publish):
+                self._nursery.start_soon(self._publish, e.message)
+            elif isinstance(e, Train):
+                self._round_started.setdefault(e.round, trio.current_time())
+                self._nursery.start_soon(self._work, self._produce, e)
+            elif isinstance(e, Aggregate):
+                self._nursery.start_soon(self._work, self._aggregate, e)
+            elif isinstance(e, Apply):
+                self._nursery.start_soon(self._work, self._apply, e)
+            elif isinstance(e, FetchState):
+                log.info("task %s: %s; fetching the weights of round %d from %d peer(s)", self.tid[:12], e.reason,
+                         e.head.round, len(e.sources))
+                self._nursery.start_soon(self._work, self._fetch_state, e)
+            elif isinstance(e, MakeInitial):
+                self._nursery.start_soon(self._work, self._make_initial, e)
+            elif isinstance(e, RoundClosed):
+                self._record_round(e)
+            elif isinstance(e, Dissent):
+                log.warning("task %s round %d: peer %s announced weights %s, not the vote's", self.tid[:12], e.round,
+                            e.peer_id, e.weights_hash[:16])
+                self.dissents = (self.dissents + [{"round": e.round, "peer_id": e.peer_id,
+                                                   "weights_hash": e.weights_hash}])[-MAX_DISSENTS:]
+            elif isinstance(e, Finished):
+                log.info("task %s finished: eval losses %s", self.tid[:12],
+                         [round(x, 4) for _, x in self.eval_losses])
+        # Phases change with effects; the status reads them between events.
+        self._set_phase()
+
+    async def _work(self, fn, effect) -> None:
+        """Run one piece of work; its result (or the trainer's failure) goes back to the machine as an event."""
+        try:
+            event = await fn(effect)
+        except (TrainerCrashed, TrainerRequestFailed) as exc:
+            event = WorkFailed(reason=str(exc))
+        except TaskRejected as exc:
+            self.phase, self.detail = "declined", str(exc)
+            log.warning("task %s declined: %s", self.tid[:12], exc)
+            event = WorkFailed(reason=str(exc))
+        if event is not None:
+            await self._send.send(event)
+
+    async def _produce(self, job: Train) -> Trained:
+        """Train from θ_r, then publish Δ's int8 slices over SHARDCAST."""
+        result = await self._train(job.round, list(job.members))
+        self._round_train_s[job.round] = result.seconds
+        self.train_s += result.seconds
+        delta = await trio.to_thread.run_sync(load_named, result.out_path)
+        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
+        ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{job.round}/u{s}")
+               for s, p in enumerate(payloads)]
+        return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
+                       losses=tuple(x for _, x in result.losses[-8:]))
+
+    async def _aggregate(self, job: Aggregate):
+        return await self.exchange.aggregate(job)
+
+    async def _apply(self, job: Apply) -> Applied:
+        new = await self.exchange.apply(self.state, job)
+        eval_loss = await self._hold(new)
+        self._eval[job.round] = eval_loss
+        self.eval_losses.append((job.round, eval_loss))
+        state_id = await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
+        return Applied(round=job.round, weights_hash=new.weights_hash(), state_hash=new.state_hash(),
+                       state_manifest=state_id, eval_loss=eval_loss)
+
+    async def _hold(self, state: compute.OuterState) -> float:
+        """Make ``state`` this node's: checkpoint it (the trainer reads θ_r from there), then evaluate it."""
+        await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
+        self.state = state
+        return await self._evaluate()
+
+    async def _fetch_state(self, job: FetchState):
+        state = await self.exchange.fetch_state(job.head, job.sources, self.state)
+        if state is None:
+            return SyncFailed(head=job.head, reason="no source delivered matching weights")
+        if state is not self.state:
+            eval_loss = await self._hold(state)
+            self.agreement.append({"round": job.head.round - 1, "weights_hash": job.head.weights_hash[:16],
+                                   "agreed": True, "caught_up": True, "peers_agreeing": len(job.sources),
+                                   "eval_loss": round(eval_loss, 4), "members": len(job.sources) + 1,
+                                   "round_s": 0.0, "train_s": 0.0})
+            self.eval_losses.append((job.head.round - 1, eval_loss))
+        return Synced(head=job.head)
+
+    async def _make_initial(self, _job: MakeInitial) -> Synced:
+        state = await self._initial_state()
+        await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
+        self.state = state
+        return Synced(head=head_of(state, self.me))
 
     async def _initial_state(self) -> compute.OuterState:
         """θ_0: the seeded init, or the spec's init_manifest fetched over SHARDCAST and checked against the model."""
@@ -290,104 +330,32 @@ class TaskRunner:
         except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
             raise TaskRejected(f"initial weights {self.spec.init_manifest[:16]} unusable: "
                                f"{exc or 'not fetched in time'}") from None
+        finally:
+            self.detail = ""
 
-    async def _catch_up(self, r: int) -> compute.OuterState | None:
-        """If most members already agreed on the weights after round r or later, fetch those instead
-        of running a round the swarm has closed (a slow or late node would only be dropped)."""
-        latest = self.machine.latest_majority()
-        if latest is None or latest[0] < r:
-            return None
-        done, _, _, sources = latest
-        if 2 * len(sources) <= len(self.machine.members(done)):
-            return None  # not a majority yet: the others may still be finishing that round
-        started_s = trio.current_time()
-        state = await self.exchange.sync(latest, None)
-        if state is not None:
-            log.info("task %s: the swarm finished round %d already; catching up to round %d", self.tid[:12],
-                     done, state.round)
-            self._record_sync(latest, trio.current_time() - started_s)
-        return state
-
-    def _record_sync(self, latest, seconds: float) -> None:
-        """A round this node did not run but took from the majority, in the status history."""
-        done, weights_hash, _, sources = latest
-        self.eval_losses.append((done, sources[0].eval_loss))
-        self.agreement.append({"round": done, "weights_hash": weights_hash[:16], "agreed": True, "caught_up": True,
-                               "peers_agreeing": len(sources), "eval_loss": round(sources[0].eval_loss, 4),
-                               "members": len(self.machine.members(done)), "round_s": round(seconds, 2),
-                               "train_s": 0.0})
-
-    async def _round(self, state: compute.OuterState) -> compute.OuterState:
-        r, spec = state.round, self.spec
-        caught_up = await self._catch_up(r)
-        if caught_up is not None:
-            return caught_up
-        started_s = trio.current_time()
-        producing = r not in self.observe_rounds
-        self.phase = f"round {r}: {'training' if producing else 'following'}"
-        base_path = self.dir / "weights.safetensors"
-        await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
-        base_hash = await trio.to_thread.run_sync(state.weights_hash)
-        self._round_train_s = 0.0
-        self.dispatch(self.machine.start_round(r, base_hash=base_hash, producing=producing, now=trio.current_time()))
-        if producing:
-            await self._produce(r, base_path, base_hash)
-        self.phase = f"round {r}: aggregating"
-        outcome = await self._wait(self._outcomes, r, "aggregates", 4 * spec.round_deadline_s)
-
-        new = await self.exchange.apply(state, outcome)
-        meta = await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, new)
-        eval_loss = await self._evaluate()
-        self.eval_losses.append((r, eval_loss))
-        state_id = await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
-        announce = WeightsAnnounce(task_id=self.tid, round=r, peer_id=self.me, weights_hash=meta["weights_hash"],
-                                   state_hash=meta["state_hash"], state_manifest=state_id, eval_loss=eval_loss)
-        self.dispatch(self.machine.finish_round(r, weights_hash=meta["weights_hash"], now=trio.current_time()))
-        self.latest_weights = await self.publish(announce)
-        self.phase = f"round {r}: comparing weights"
-        verdict = await self._wait(self._verdicts, r, "weights majority", 2 * spec.round_deadline_s)
-        if isinstance(verdict, Resync):
-            log.warning("task %s round %d: our weights %s are not the majority's %s; re-syncing", self.tid[:12], r,
-                        meta["weights_hash"][:16], verdict.weights_hash[:16])
-            synced = await self.exchange.fetch_state(r + 1, verdict.weights_hash, verdict.state_hash, verdict.sources)
-            if synced is not None:
-                new = synced
-                await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, new)
-        round_s = trio.current_time() - started_s
+    def _record_round(self, e: RoundClosed) -> None:
+        now = trio.current_time()
+        round_s = now - self._round_started.pop(e.round, now)
         self.rounds_s += round_s
-        new_hash = await trio.to_thread.run_sync(new.weights_hash)
-        self.agreement.append({"round": r, "weights_hash": new_hash[:16],
-                               "agreed": isinstance(verdict, Agreed),
-                               "peers_agreeing": verdict.num_agree if isinstance(verdict, Agreed) else None,
-                               "eval_loss": round(eval_loss, 4), "members": len(self.machine.members(r)),
-                               "round_s": round(round_s, 2), "train_s": round(self._round_train_s, 2)})
-        log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], r, eval_loss,
-                 new_hash[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
-        return new
+        eval_loss = self._eval.pop(e.round, float("nan"))
+        self.agreement.append({"round": e.round, "weights_hash": e.weights_hash[:16], "agreed": e.agreed,
+                               "peers_agreeing": e.num_agree if e.agreed else None,
+                               "eval_loss": round(eval_loss, 4), "members": e.members,
+                               "round_s": round(round_s, 2), "train_s": round(self._round_train_s.pop(e.round, 0.0), 2)})
+        log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], e.round, eval_loss,
+                 e.weights_hash[:16], "agreed" if e.agreed else "re-syncing")
 
-    async def _produce(self, r: int, base_path: Path, base_hash: str) -> None:
-        """Train from θ_r, then publish Δ's int8 slices over SHARDCAST and announce them."""
-        result = await self._train(r, base_path)
-        self._round_train_s = result.seconds
-        self.train_s += result.seconds
-        delta = await trio.to_thread.run_sync(load_named, result.out_path)
-        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
-        ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{r}/u{s}") for s, p in enumerate(payloads)]
-        self.train_losses = result.losses
-        await self.publish(UpdateAnnounce(task_id=self.tid, round=r, producer=self.me, base_hash=base_hash,
-                                          samples=result.samples, manifest_ids=tuple(ids),
-                                          losses=tuple(x for _, x in result.losses[-8:])))
+    # -- the trainer -------------------------------------------------------------------------------
 
-    async def _train(self, r: int, base_path: Path):
+    async def _train(self, r: int, members: list[str]):
         spec = self.spec
-        members = self.machine.members(r)
         mine = assign_shards(self.tid, r, members, spec.dataset.num_shards).get(self.me) or \
             [derive_seed(self.tid, r, self.me) % spec.dataset.num_shards]
         size = self.corpus_path.stat().st_size
         ranges, _ = split_ranges(size, spec.dataset.num_shards)
         a = spec.adamw
         return await self.trainer.train(
-            model=compute.model_config(spec), base_path=base_path, data_path=self.corpus_path,
+            model=compute.model_config(spec), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
             shard_ranges=[ranges[i] for i in mine], steps=spec.inner_steps, batch_size=spec.batch_size,
             seed=derive_seed(self.tid, r, self.me), out_path=self.dir / "update.safetensors",
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
@@ -407,4 +375,3 @@ class TaskRunner:
         """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.
         Only the outer step must be bit-identical across nodes, and it always runs on the CPU."""
         return {"any": "auto", "cpu": "cpu", "cuda": "cuda"}[self.spec.requirements.device]
-

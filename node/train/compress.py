@@ -71,6 +71,18 @@ def encode_int8(flat: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> byt
     return tensor_bytes(scales) + tensor_bytes(q)
 
 
+def check_int8(data: bytes, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """ValueError unless decode_int8 would accept ``data``; reads only the scales (1/64 of the bytes)."""
+    expected = encoded_size(numel, block_size)
+    if len(data) != expected:
+        raise ValueError(f"int8 payload for {numel} values is {expected} bytes, got {len(data)}")
+    split = 4 * num_blocks(numel, block_size)
+    if split:
+        scales = torch.frombuffer(bytearray(data[:split]), dtype=torch.float32)
+        if not (torch.isfinite(scales).all() and (scales >= 0).all()):
+            raise ValueError("int8 payload has a negative or non-finite block scale")
+
+
 def decode_int8(data: bytes, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """Inverse of encode_int8; a wrong length or a negative or non-finite scale is a ValueError."""
     if numel < 0:

@@ -136,7 +136,7 @@ async def test_init_manifest_weights_are_round_zeros_weights(network, tmp_path):
         await wait_until(lambda: runner(node, tid).agreement, timeout_s=60)
         from node.train.diloco import weights_hash
         # Round 0 trained from the published weights, not from the seeded init.
-        assert runner(node, tid).machine.rounds[0].base_hash == weights_hash(start)
+        assert runner(node, tid).machine.rounds_seen[0].base.weights_hash == weights_hash(start)
         assert weights_hash(start) != weights_hash(compute.initial_weights(base))
         nursery.cancel_scope.cancel()
 
