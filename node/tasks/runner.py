@@ -200,18 +200,22 @@ class TaskRunner:
             self.trainer = trainer
             await trainer.ping()
             self.state = await trio.to_thread.run_sync(compute.load_checkpoint, self.dir, self.spec)
-            await self._drive()
+            await self._drive(until_done=True)
+        # Finished: the trainer is let go, and the node keeps serving and re-syncing (without evaluating).
+        self.trainer = None
+        await self._drive(until_done=False)
 
     def _heard(self) -> dict[str, float]:
         return {p: rec.last_seen for p, rec in self.node.membership.table.peers.items()}
 
-    async def _drive(self) -> None:
-        """Feed the machine until the trainer fails; a finished task keeps serving and re-syncing."""
+    async def _drive(self, *, until_done: bool) -> None:
+        """Feed the machine until it finishes (``until_done``) or for good; TrainerCrashed if work failed."""
         m = self.machine
         now = trio.current_time()
         m.set_heard(self._heard(), now)
-        self._execute(m.start(head_of(self.state, self.me), now))
-        while m.stage is not Stage.FAILED:
+        if until_done:
+            self._execute(m.start(head_of(self.state, self.me), now))
+        while m.stage is not Stage.FAILED and not (until_done and m.stage is Stage.DONE):
             self._set_phase()
             deadline = m.next_deadline()
             event = None
@@ -222,8 +226,8 @@ class TaskRunner:
             if event is not None:
                 effects += m.handle(event, now)
             self._execute(effects)
-        if self.phase != "declined":
-            raise TrainerCrashed(m.detail)
+        if m.stage is Stage.FAILED:
+            raise TaskRejected(m.detail) if self.phase == "declined" else TrainerCrashed(m.detail)
 
     # -- effects ---------------------------------------------------------------------------------
 
@@ -298,7 +302,7 @@ class TaskRunner:
         """Make ``state`` this node's: checkpoint it (the trainer reads θ_r from there), then evaluate it."""
         await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
         self.state = state
-        return await self._evaluate()
+        return await self._evaluate() if self.trainer is not None else float("nan")
 
     async def _fetch_state(self, job: FetchState):
         state = await self.exchange.fetch_state(job.head, job.sources, self.state)

@@ -44,7 +44,8 @@ def final_hash(node, tid):
 
 
 async def test_a_node_killed_mid_task_does_not_stop_the_others(network, tmp_path):
-    spec = tiny_spec(rounds=3, min_members=3, round_deadline_s=4.0)
+    # min_members=2: below min_members a swarm waits, so two survivors go on only if two are enough.
+    spec = tiny_spec(rounds=3, min_members=2, round_deadline_s=4.0)
     tid = task_id(spec)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, tmp_path, network)
@@ -75,7 +76,8 @@ async def test_a_late_joiner_catches_up_and_agrees(network, tmp_path):
         c = await swarm.add("c")  # hears the spec from the members' re-announcements
         await wait_until(lambda: all(finished(n, tid) for n in (a, b, c)), timeout_s=90)
         late = runner(c, tid)
-        assert late.agreement and late.agreement[0]["round"] >= 2, late.agreement
+        # It joined once a had closed rounds 0 and 1, so the first weights it took are at least those after round 1.
+        assert late.agreement and late.agreement[0]["round"] >= 1, late.agreement
         assert all(x["agreed"] for x in late.agreement)
         assert final_hash(c, tid) == final_hash(a, tid) == final_hash(b, tid)
         nursery.cancel_scope.cancel()
