@@ -192,12 +192,17 @@ class Swarm:
                 self._heartbeat()
             if self.now >= self.next_announce:
                 self.next_announce = self.now + ANNOUNCE_S
-                # A running machine ignores a re-announcement it has seen (its first check), so only
-                # machines that are not running are handed them: the same decisions, far fewer calls.
-                idle = [n for n in self.alive() if self.machines[n].stage is not Stage.RUNNING]
-                for n in self.alive():
-                    if n in self.announced and idle:
-                        self.queue.append(("msg", n, self.announced[n], self.group[n], idle))
+                # A running machine returns at once on a re-announcement it has already seen, so those
+                # are not handed to it: the same decisions, far fewer calls.
+                alive = self.alive()
+                for n in alive:
+                    msg = self.announced.get(n)
+                    if msg is None:
+                        continue
+                    to = [p for p in alive if self.machines[p].stage is not Stage.RUNNING
+                          or self.machines[p].latest.get(n) != msg]
+                    if to:
+                        self.queue.append(("msg", n, msg, self.group[n], to))
             for n in self.alive():
                 d = self.machines[n].next_deadline()
                 if d is not None and d <= self.now:
