@@ -56,3 +56,16 @@ def show(task_id: str = typer.Argument(..., help="Task id or a unique prefix (at
     from node import control
     data = run_cli(lambda: control.call(_control_url(data_dir, url) + f"/task?id={task_id}"))
     typer.echo(json.dumps(data, indent=1))
+
+
+@task_app.command()
+def export(task_id: str = typer.Argument(..., help="Task id or a unique prefix (at least 4 characters)."),
+           out: Path = typer.Option(..., "--out", help="New directory to write the model into."),
+           adapter: bool = typer.Option(False, "--adapter", help="Write the LoRA adapter (peft) instead of merging it."),
+           data_dir: Optional[Path] = DataDir) -> None:
+    """Write an hf task's current weights as a directory transformers (and peft) load, with a model card."""
+    from node.cli import _data_dir_default
+    from node.export import export_task
+    info = run_cli(lambda: export_task(data_dir or _data_dir_default(), task_id, out, adapter=adapter))
+    typer.echo(f"wrote {info['out']}: {info['mode']}, round {info['rounds']}, eval loss {info['eval_loss']}, "
+               f"weights {info['weights_hash'][:16]}")

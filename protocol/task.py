@@ -175,7 +175,7 @@ class TaskSpec:
 
     name: str
     recipe: str
-    model: ModelSpec | None
+    model: ModelSpec | None = None
     """TinyLM's shape (recipe "tiny-lm"); None for the hf-* recipes, whose model is ``hf``."""
     dataset: DatasetSpec
     inner_steps: int
@@ -243,6 +243,8 @@ class TaskSpec:
         _need(self.dataset.kind == "published", f"recipe {self.recipe!r} trains on a dataset published with "
                                                 "`shoal dataset publish` (dataset.kind = \"published\")")
         _need(self.init_manifest == "", "init_manifest is for tiny-lm; an hf-* task starts from its model directory")
+        _need(self.recipe != "hf-dpo" or self.hf.method == "lora",
+              "hf-dpo needs hf.method = \"lora\": its reference model is the base with the adapter off")
 
     def memory_estimate_bytes(self) -> int:
         """A rough peak for one trainer: weights, grads, AdamW moments, outer state, activations.

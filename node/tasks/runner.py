@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from node.tasks import compute
+from node.tasks import compute, history
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
@@ -51,9 +51,9 @@ class TaskRunner:
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""
-        self.eval_losses: list[tuple[int, float]] = []
         self.train_losses: list[tuple[int, float]] = []
-        self.agreement: list[dict] = []
+        self.agreement: list[dict] = history.load(directory)
+        self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if "eval_loss" in a]
         self.dissents: list[dict] = []
         self.latest_weights: bytes = b""
         self.offer: bytes = b""
@@ -368,6 +368,7 @@ class TaskRunner:
                                "peers_agreeing": verdict.num_agree if isinstance(verdict, Agreed) else None,
                                "eval_loss": round(eval_loss, 4), "members": len(self.machine.members(r)),
                                "round_s": round(round_s, 2), "train_s": round(self._round_train_s, 2)})
+        await trio.to_thread.run_sync(history.record, self.dir, self.agreement)
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], r, eval_loss,
                  new_hash[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
         return new

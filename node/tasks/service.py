@@ -186,6 +186,8 @@ class TaskService:
                "reason": known.reason}
         if known.runner is not None:
             out.update(known.runner.status())
+            if known.runner.hf is not None:
+                out["hf"] = known.runner.hf.info
         return out
 
     def status(self) -> dict | None:
