@@ -368,6 +368,19 @@ class DatasetOffer:
         _need(_is_hex_hash(self.sha256) and _is_hex_hash(self.manifest_id), "ids must be hex sha256")
 
 
+@message(tag=31)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskCancel:
+    """Ends ``task_id`` on every node; honoured only when signed by the key that signed the task's spec."""
+
+    task_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _need(len(self.reason) <= 256, "reason must have at most 256 characters")
+
+
 TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer)
 
 # -- TOML ----------------------------------------------------------------------------------------

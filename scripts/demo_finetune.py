@@ -102,6 +102,27 @@ def check_export(node_dir: Path, task_id: str, out: Path, adapter_out: Path | No
     return result
 
 
+def preference_margins(node_dir: Path, task_id: str) -> dict:
+    """Mean held-out DPO margin (nats) of θ_0 and of the swarm's final adapter, on the spec's held-out pairs."""
+    from node.dataset import decode_records, split_records
+    from node.export import load_task
+    from node.train import dpo, hf
+    from node.train.diloco import load_named
+
+    task_dir = node_dir / "tasks" / task_id
+    spec, _ = load_task(task_dir)
+    config = hf.HFConfig(recipe=spec.recipe, model_dir=str(node_dir / "models" / spec.hf.model_manifest),
+                         method="lora", seq_len=spec.hf.seq_len, lora_r=spec.hf.lora_r, lora_alpha=spec.hf.lora_alpha,
+                         target_modules=spec.hf.target_modules, dpo_beta=spec.hf.dpo_beta)
+    recs = decode_records((node_dir / "datasets" / f"{spec.dataset.sha256}.jsonl").read_bytes())
+    _, (start, end) = split_records(len(recs), spec.dataset.num_shards, spec.dataset.heldout_fraction)
+    out = {}
+    for key, name in (("margin_first", "initial.safetensors"), ("margin_last", "weights.safetensors")):
+        model = hf.model_with(config, load_named(task_dir / name))
+        out[key] = round(dpo.evaluate(config, model, recs[start:end], end - start, "cpu")["margin"], 4)
+    return out
+
+
 def run_demo(work_dir: Path, *, recipe: str = "hf-causal-lm", method: str = "lora", rounds: int = 6,
              inner_steps: int = 20, export: bool = True) -> dict:
     started = time.monotonic()
@@ -141,6 +162,8 @@ def run_demo(work_dir: Path, *, recipe: str = "hf-causal-lm", method: str = "lor
         "bytes_per_node_per_round": round(sum(sent.values()) / max(1, len(sent)) / max(1, len(rows))),
         "swarm_seconds": swarm_report["task"]["seconds"],
     })
+    if recipe == "hf-dpo":
+        report.update(preference_margins(swarm.nodes[0].data_dir, run.task_id))
     if export:
         node_dir = swarm.nodes[0].data_dir
         out = work_dir / "export"
@@ -163,17 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--work-dir", type=Path, default=None, help="Keep the nodes' data dirs here.")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--no-export", action="store_true", help="Skip the export and its checks.")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="shoal-finetune-") as tmp:
         work = args.work_dir or Path(tmp)
         report = run_demo(work, recipe=args.recipe, method=args.method, rounds=args.rounds,
-                          inner_steps=args.inner_steps)
+                          inner_steps=args.inner_steps, export=not args.no_export)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json_out:
         args.json_out.write_text(text)
     ok = report["hashes_agree"] and report.get("logits_match", True) and \
-        report["eval_loss_last"] < report["eval_loss_first"]
+        report["eval_loss_last"] < report["eval_loss_first"] and report.get("margin_last", 1) > report.get("margin_first", 0)
     return 0 if ok else 1
 
 

@@ -1,0 +1,62 @@
+"""`shoal task cancel`: only the initiator's signed cancel ends a task, on every node and across a restart;
+the per-round history survives restarts."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from node import control
+from node.tasks import history
+from protocol.envelope import seal
+from protocol.task import SPECS_TOPIC, TaskCancel, task_id
+from tests.tasks.conftest import Swarm, network, runner, tiny_spec, wait_until  # noqa: F401 (network is a fixture)
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def phase(node, tid):
+    r = runner(node, tid)
+    return r.phase if r is not None else None
+
+
+async def test_only_the_initiators_cancel_ends_the_task_everywhere(network, tmp_path):
+    spec = tiny_spec(rounds=200, min_members=2, inner_steps=4)
+    tid = task_id(spec)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        a, b = [await swarm.add(n) for n in "ab"]
+        await swarm.connected()
+        await a.tasks.publish(spec)
+        await wait_until(lambda: all((phase(n, tid) or "").startswith("round 1") for n in (a, b)), timeout_s=60)
+
+        # b is not the initiator: its own node refuses to sign for it, and a forged gossip is refused by a.
+        with pytest.raises(Exception, match="only the initiator"):
+            await trio.to_thread.run_sync(lambda: control.call(b.control_url + "/task/cancel", body={"id": tid[:8]}))
+        await b.host.publish(SPECS_TOPIC, seal(TaskCancel(task_id=tid, reason="mine now"), b.keypair))
+        await wait_until(lambda: a.tasks.cancels.refused[b.keypair.peer_id] >= 1, timeout_s=10)
+        assert (phase(a, tid) or "").startswith("round") and a.tasks.tasks[tid].decision == "joined"
+
+        answer = await trio.to_thread.run_sync(lambda: control.call(
+            a.control_url + "/task/cancel", body={"id": tid[:8], "reason": "enough"}))
+        assert answer["decision"] == "cancelled"
+        await wait_until(lambda: all(n.tasks.tasks[tid].decision == "cancelled" for n in (a, b)), timeout_s=10)
+        assert phase(b, tid) == "cancelled" and runner(b, tid).detail == "enough"
+        assert (tmp_path / "b" / "tasks" / tid / "cancel.sealed").is_file()
+        swarm.scopes["b"].cancel()
+        nursery.cancel_scope.cancel()
+
+    # Restarted, b does not resume the cancelled task.
+    async with trio.open_nursery() as nursery:
+        b2 = await Swarm(nursery, tmp_path, network).add("b")
+        await wait_until(lambda: tid in b2.tasks.tasks, timeout_s=10)
+        assert b2.tasks.tasks[tid].decision == "declined" and "cancelled" in b2.tasks.tasks[tid].reason
+        nursery.cancel_scope.cancel()
+
+
+def test_history_round_trips_and_survives_a_damaged_file(tmp_path):
+    rows = [{"round": 0, "eval_loss": 3.0, "members": 3}, {"round": 1, "eval_loss": 2.0, "members": 3}]
+    history.record(tmp_path, rows + [{"round": 1, "eval_loss": 1.5, "members": 2}])
+    assert history.load(tmp_path) == [rows[0], {"round": 1, "eval_loss": 1.5, "members": 2}]
+    (tmp_path / history.FILE).write_text("{not json")
+    assert history.load(tmp_path) == []
