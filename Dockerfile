@@ -4,7 +4,12 @@
 #       --bootstrap /ip4/<peer ip>/tcp/4001/p2p/<peer id> --announce-addr /ip4/<this host's public ip>/tcp/4001
 #   docker exec <container> shoal status
 # The control API listens on 127.0.0.1 inside the container only; use `docker exec` to reach it.
-FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# torch follows scripts/setup.sh: one pinned version for every node (the outer step must be bit-identical
+# across members; a task can also pin requirements.torch_version), here its CUDA build. The CUDA libraries
+# come inside the torch wheel's dependencies; the host's driver comes in with --gpus.
+FROM python:3.11-slim
+ARG TORCH_VERSION=2.13.0
+ARG SHOAL_TORCH="torch==${TORCH_VERSION} --index-url https://download.pytorch.org/whl/cu128"
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -20,8 +25,9 @@ COPY protocol ./protocol
 COPY p2p ./p2p
 COPY node ./node
 COPY scripts ./scripts
-# torch comes with the base image (CUDA build); pip keeps it because it satisfies torch>=2.4.
-RUN python -m pip install --upgrade pip && python -m pip install .
+# torch first, pinned; pip then keeps it because it satisfies torch>=2.4 (transformers and peft allow it).
+RUN python -m pip install --upgrade pip && python -m pip install $SHOAL_TORCH && python -m pip install . \
+    && python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else f'torch {v} was installed, not the pinned ${TORCH_VERSION}')"
 
 RUN useradd --create-home --uid 1000 shoal && mkdir -p /data && chown shoal /data
 USER shoal

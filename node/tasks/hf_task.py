@@ -110,8 +110,11 @@ class HFTask:
 
     async def fetch_inputs(self) -> Path:
         """The model directory and the records file, fetched over SHARDCAST and checked; the records path."""
+        before = self.runner.node.shardcast.statistics().bytes_fetched
         await self._model()
         await self._dataset()
+        # The one-time fetch of the inputs, kept apart so per-round traffic can be told from it.
+        self.info["input_bytes_fetched"] = self.runner.node.shardcast.statistics().bytes_fetched - before
         try:
             recs = await trio.to_thread.run_sync(decode_records, self.data_path.read_bytes())
             self.num_records = len(recs)
@@ -143,7 +146,7 @@ class HFTask:
             raise TaskRejected(f"the model ({reply['total_params']:,} parameters) needs about {need / 2**30:.1f} GiB "
                                f"to train and this node has {memory / 2**30:.1f} GiB")
         self._num_params = int(reply["num_params"])
-        self.info = {k: reply[k] for k in ("num_params", "total_params", "num_records", "memory_estimate_bytes")}
+        self.info.update({k: reply[k] for k in ("num_params", "total_params", "num_records", "memory_estimate_bytes")})
         _INITIAL[self.runner.tid] = await trio.to_thread.run_sync(load_named, out)
         log.info("task %s: %s %s, %d of %d parameters trained and exchanged", self.runner.tid[:12], self.spec.recipe,
                  self.hf.method, self._num_params, reply["total_params"])
