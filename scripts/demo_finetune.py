@@ -46,7 +46,7 @@ def shoal(*args: str) -> str:
 
 def task_fields(*, recipe: str, method: str, model: dict, data: dict, rounds: int, inner_steps: int,
                 nodes: int = 3, device: str = "any") -> dict:
-    lr = 3e-3 if method == "full" else 5e-2
+    lr = 3e-3 if method == "full" else 1e-2 if recipe == "hf-dpo" else 5e-2
     return {
         "name": f"demo-{recipe}-{method}", "recipe": recipe, "inner_steps": inner_steps, "batch_size": 8,
         "rounds": rounds, "round_deadline_s": 60.0, "min_members": nodes, "max_members": 8, "aggregation_shards": 2,
