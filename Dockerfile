@@ -9,7 +9,7 @@
 # come inside the torch wheel's dependencies; the host's driver comes in with --gpus.
 FROM python:3.11-slim
 ARG TORCH_VERSION=2.13.0
-ARG SHOAL_TORCH="torch==${TORCH_VERSION} --index-url https://download.pytorch.org/whl/cu128"
+ARG TORCH_SPEC="torch==${TORCH_VERSION} --index-url https://download.pytorch.org/whl/cu128"
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -26,7 +26,7 @@ COPY p2p ./p2p
 COPY node ./node
 COPY scripts ./scripts
 # torch first, pinned; pip then keeps it because it satisfies torch>=2.4 (transformers and peft allow it).
-RUN python -m pip install --upgrade pip && python -m pip install $SHOAL_TORCH && python -m pip install . \
+RUN python -m pip install --upgrade pip && python -m pip install $TORCH_SPEC && python -m pip install . \
     && python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else f'torch {v} was installed, not the pinned ${TORCH_VERSION}')"
 
 RUN useradd --create-home --uid 1000 shoal && mkdir -p /data && chown shoal /data

@@ -4,7 +4,7 @@
 #   2. a 2-node LoRA task on a tiny random Llama whose inner steps run on CUDA (requirements.device = "cuda");
 #   3. the export loaded back onto the GPU with transformers (and peft), logits compared with the swarm's weights.
 # Writes gpu_check/{hw.json,finetune.json} and prints a summary; exit 0 only if every step passed.
-#   bash scripts/gpu_check.sh              # uses .venv (scripts/setup.sh; SHOAL_TORCH picks a CUDA build)
+#   bash scripts/gpu_check.sh              # uses .venv (scripts/setup.sh; TORCH_SPEC picks a CUDA build)
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #   bash scripts/gpu_check.sh --dry-run    # on a machine without a GPU: the same steps with device "any" (CPU)
 set -euo pipefail
