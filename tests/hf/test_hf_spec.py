@@ -44,3 +44,12 @@ def test_tiny_lm_specs_still_need_their_model_table():
         spec_from_dict({"name": "t", "inner_steps": 1, "batch_size": 1, "rounds": 1,
                         "dataset": {"kind": "stdlib-corpus", "sha256": "cd" * 32, "max_bytes": 4096,
                                     "num_shards": 1}}, created_ms=1)
+
+
+def test_the_finetune_example_loads():
+    from pathlib import Path
+
+    from protocol.task import load_spec_toml
+    text = (Path(__file__).resolve().parents[2] / "examples" / "finetune-task.toml").read_text()
+    spec = load_spec_toml(text)
+    assert spec.recipe == "hf-causal-lm" and spec.hf.method == "lora" and spec.dataset.kind == "published"
