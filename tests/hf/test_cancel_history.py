@@ -60,3 +60,31 @@ def test_history_round_trips_and_survives_a_damaged_file(tmp_path):
     assert history.load(tmp_path) == [rows[0], {"round": 1, "eval_loss": 1.5, "members": 2}]
     (tmp_path / history.FILE).write_text("{not json")
     assert history.load(tmp_path) == []
+
+
+async def test_watch_follows_a_task_to_its_end_and_cancel_speaks_one_line(network, tmp_path):
+    from typer.testing import CliRunner
+
+    from node.task_cli import task_app
+    cli = CliRunner()
+    spec = tiny_spec(rounds=200, min_members=1, inner_steps=2)
+    tid = task_id(spec)
+    async with trio.open_nursery() as nursery:
+        node = await Swarm(nursery, tmp_path, network).add("a")
+        url = ["--url", node.control_url]
+        await node.tasks.publish(spec)
+        await wait_until(lambda: (phase(node, tid) or "").startswith("round 1"), timeout_s=60)
+        watching = []
+
+        async def watch():
+            watching.append(await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["watch", tid[:8], "--json", *url])))
+        nursery.start_soon(watch)
+        await trio.sleep(1.5)
+        out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["cancel", tid[:8], "--reason", "done", *url]))
+        assert out.exit_code == 0 and f"cancelled {tid}" in out.stdout, out.output
+        await wait_until(lambda: watching, timeout_s=15)
+        lines = watching[0].stdout.strip().splitlines()
+        assert watching[0].exit_code == 0 and '"cancelled"' in lines[-1] and '"round' in lines[0], lines
+        out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["cancel", "zzzz", *url]))
+        assert out.exit_code == 2 and "no single task" in out.output and "Traceback" not in out.output
+        nursery.cancel_scope.cancel()
