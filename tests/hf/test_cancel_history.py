@@ -3,6 +3,10 @@ the per-round history survives restarts."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import trio
 
@@ -13,11 +17,18 @@ from protocol.task import SPECS_TOPIC, TaskCancel, task_id
 from tests.tasks.conftest import Swarm, network, runner, tiny_spec, wait_until  # noqa: F401 (network is a fixture)
 
 pytestmark = [pytest.mark.timeout(120)]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def phase(node, tid):
     r = runner(node, tid)
     return r.phase if r is not None else None
+
+
+def training(node, tid) -> bool:
+    """The task runs rounds here (past round 0: a state it trains from), whatever phase it is in right now."""
+    r = runner(node, tid)
+    return r is not None and r.state is not None and r.state.round >= 1 and r.phase.startswith("round")
 
 
 async def test_only_the_initiators_cancel_ends_the_task_everywhere(network, tmp_path):
@@ -28,14 +39,14 @@ async def test_only_the_initiators_cancel_ends_the_task_everywhere(network, tmp_
         a, b = [await swarm.add(n) for n in "ab"]
         await swarm.connected()
         await a.tasks.publish(spec)
-        await wait_until(lambda: all((phase(n, tid) or "").startswith("round 1") for n in (a, b)), timeout_s=60)
+        await wait_until(lambda: all(training(n, tid) for n in (a, b)), timeout_s=90)
 
         # b is not the initiator: its own node refuses to sign for it, and a forged gossip is refused by a.
         with pytest.raises(Exception, match="only the initiator"):
             await trio.to_thread.run_sync(lambda: control.call(b.control_url + "/task/cancel", body={"id": tid[:8]}))
         await b.host.publish(SPECS_TOPIC, seal(TaskCancel(task_id=tid, reason="mine now"), b.keypair))
         await wait_until(lambda: a.tasks.cancels.refused[b.keypair.peer_id] >= 1, timeout_s=10)
-        assert (phase(a, tid) or "").startswith("round") and a.tasks.tasks[tid].decision == "joined"
+        assert training(a, tid) and a.tasks.tasks[tid].decision == "joined"
 
         answer = await trio.to_thread.run_sync(lambda: control.call(
             a.control_url + "/task/cancel", body={"id": tid[:8], "reason": "enough"}))
@@ -73,18 +84,23 @@ async def test_watch_follows_a_task_to_its_end_and_cancel_speaks_one_line(networ
         node = await Swarm(nursery, tmp_path, network).add("a")
         url = ["--url", node.control_url]
         await node.tasks.publish(spec)
-        await wait_until(lambda: (phase(node, tid) or "").startswith("round 1"), timeout_s=60)
+        await wait_until(lambda: training(node, tid), timeout_s=90)
         watching = []
 
         async def watch():
-            watching.append(await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["watch", tid[:8], "--json", *url])))
+            # A process of its own: typer's CliRunner swaps sys.stdout, so two invocations at once would mix.
+            done = await trio.run_process([sys.executable, "-m", "node.cli", "task", "watch", tid[:8], "--json", *url],
+                                          capture_stdout=True, capture_stderr=True, check=False,
+                                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+            watching.append(done)
         nursery.start_soon(watch)
-        await trio.sleep(1.5)
+        await trio.sleep(3.0)
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["cancel", tid[:8], "--reason", "done", *url]))
         assert out.exit_code == 0 and f"cancelled {tid}" in out.stdout, out.output
-        await wait_until(lambda: watching, timeout_s=15)
-        lines = watching[0].stdout.strip().splitlines()
-        assert watching[0].exit_code == 0 and '"cancelled"' in lines[-1] and '"round' in lines[0], lines
+        await wait_until(lambda: watching, timeout_s=30)
+        lines = watching[0].stdout.decode().strip().splitlines()
+        assert watching[0].returncode == 0 and '"cancelled"' in lines[-1] and '"round' in lines[0], \
+            (lines, watching[0].stderr[-500:])
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["cancel", "zzzz", *url]))
         assert out.exit_code == 2 and "no single task" in out.output and "Traceback" not in out.output
         nursery.cancel_scope.cancel()
