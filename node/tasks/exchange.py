@@ -61,7 +61,7 @@ class Exchange:
         return compute.payload_bytes(manifest, tensors, numel)
 
     def _slice_numel(self, slice_index: int) -> int:
-        n = self.runner.spec.model.num_params()
+        n = self.runner.num_params()
         a, b = compute.slice_bounds(n, self.runner.spec.aggregation_shards)[slice_index]
         return b - a
 
@@ -154,7 +154,7 @@ class Exchange:
             manifest = await self.shardcast.fetch(bytes.fromhex(manifest_hex))
         if manifest.kind == KIND_TENSORS:
             return await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
-        limit = 64 * runner.spec.model.num_params() + (1 << 20)
+        limit = 64 * runner.num_params() + (1 << 20)
         if manifest.total_bytes > limit:
             raise IntegrityError(f"initial weights file of {manifest.total_bytes} bytes is far larger than the model")
         path = runner.dir / "init.safetensors"

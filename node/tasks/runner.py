@@ -8,8 +8,9 @@ from typing import Any
 
 import trio
 
-from node.tasks import compute
+from node.tasks import compute, history
 from node.tasks.exchange import Exchange
+from node.tasks.hf_task import HFTask, check_trainer
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
 from node.train.diloco import load_named
@@ -45,12 +46,14 @@ class TaskRunner:
             aggregators_per_slice=spec.aggregators_per_shard, round_deadline_s=spec.round_deadline_s,
             max_samples=spec.inner_steps * spec.batch_size, max_members=spec.max_members)
         self.exchange = Exchange(self)
+        self.hf = HFTask(self) if spec.hf is not None else None
+        """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""
-        self.eval_losses: list[tuple[int, float]] = []
         self.train_losses: list[tuple[int, float]] = []
-        self.agreement: list[dict] = []
+        self.agreement: list[dict] = history.load(directory)
+        self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if "eval_loss" in a]
         self.dissents: list[dict] = []
         self.latest_weights: bytes = b""
         self.offer: bytes = b""
@@ -212,6 +215,8 @@ class TaskRunner:
             await trio.sleep_forever()
 
     async def _dataset(self) -> Path:
+        if self.hf is not None:
+            return await self.hf.fetch_inputs()
         cache = self.node.config.data_dir / "tasks" / "corpus"
         ds = self.spec.dataset
         try:
@@ -228,7 +233,9 @@ class TaskRunner:
         # train the moment it holds the swarm's weights instead of falling rounds behind.
         async with open_trainer(env=self.options.trainer_env()) as trainer:
             self.trainer = trainer
-            await trainer.ping()
+            check_trainer(self.spec, await trainer.ping())
+            if self.hf is not None:
+                await self.hf.setup(trainer)
             self.phase = "syncing"
             state = await self._choose_start()
             while state.round < self.spec.rounds:
@@ -361,6 +368,7 @@ class TaskRunner:
                                "peers_agreeing": verdict.num_agree if isinstance(verdict, Agreed) else None,
                                "eval_loss": round(eval_loss, 4), "members": len(self.machine.members(r)),
                                "round_s": round(round_s, 2), "train_s": round(self._round_train_s, 2)})
+        await trio.to_thread.run_sync(history.record, self.dir, self.agreement)
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], r, eval_loss,
                  new_hash[:16], "agreed" if isinstance(verdict, Agreed) else "re-synced")
         return new
@@ -383,12 +391,15 @@ class TaskRunner:
         members = self.machine.members(r)
         mine = assign_shards(self.tid, r, members, spec.dataset.num_shards).get(self.me) or \
             [derive_seed(self.tid, r, self.me) % spec.dataset.num_shards]
-        size = self.corpus_path.stat().st_size
-        ranges, _ = split_ranges(size, spec.dataset.num_shards)
+        if self.hf is not None:
+            shard_ranges = self.hf.train_ranges(mine)
+        else:
+            ranges, _ = split_ranges(self.corpus_path.stat().st_size, spec.dataset.num_shards)
+            shard_ranges = [ranges[i] for i in mine]
         a = spec.adamw
         return await self.trainer.train(
-            model=compute.model_config(spec), base_path=base_path, data_path=self.corpus_path,
-            shard_ranges=[ranges[i] for i in mine], steps=spec.inner_steps, batch_size=spec.batch_size,
+            model=self._model_request(), base_path=base_path, data_path=self.corpus_path,
+            shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,
             seed=derive_seed(self.tid, r, self.me), out_path=self.dir / "update.safetensors",
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
@@ -396,12 +407,21 @@ class TaskRunner:
             device=self._device())
 
     async def _evaluate(self) -> float:
-        size = self.corpus_path.stat().st_size
-        _, heldout = split_ranges(size, self.spec.dataset.num_shards)
+        if self.hf is not None:
+            heldout = self.hf.heldout_range()
+        else:
+            _, heldout = split_ranges(self.corpus_path.stat().st_size, self.spec.dataset.num_shards)
         return await self.trainer.evaluate(
-            model=compute.model_config(self.spec), weights_path=self.dir / "weights.safetensors",
+            model=self._model_request(), weights_path=self.dir / "weights.safetensors",
             data_path=self.corpus_path, data_range=heldout, num_batches=self.options.eval_batches,
             seed=derive_seed(self.tid, "eval"), batch_size=self.spec.batch_size, device=self._device())
+
+    def _model_request(self):
+        return self.hf.model_request() if self.hf is not None else compute.model_config(self.spec)
+
+    def num_params(self) -> int:
+        """Values a round exchanges: the hf recipe's trainable tensors, or all of TinyLM."""
+        return self.hf.num_params() if self.hf is not None else self.spec.model.num_params()
 
     def _device(self) -> str:
         """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.
