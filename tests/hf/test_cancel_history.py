@@ -82,7 +82,7 @@ async def test_watch_follows_a_task_to_its_end_and_cancel_speaks_one_line(networ
     tid = task_id(spec)
     async with trio.open_nursery() as nursery:
         node = await Swarm(nursery, tmp_path, network).add("a")
-        url = ["--url", node.control_url]
+        url = ["--data-dir", str(node.config.data_dir), "--url", node.control_url]
         await node.tasks.publish(spec)
         await wait_until(lambda: training(node, tid), timeout_s=90)
         watching = []
