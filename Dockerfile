@@ -30,7 +30,9 @@ COPY protocol ./protocol
 COPY p2p ./p2p
 COPY node ./node
 RUN /opt/shoal/bin/pip install --no-cache-dir . \
-    && /opt/shoal/bin/python -c "import node.dashboard, libp2p, torch; node.dashboard.page()"
+    && /opt/shoal/bin/python -c "import node.dashboard, libp2p, torch; node.dashboard.page()" \
+    && /opt/shoal/bin/python -c "import sys, torch; want = open('scripts/torch.txt').read().split('==')[1].strip(); \
+v = torch.__version__.split('+')[0]; sys.exit(0 if v == want else f'torch {v} was installed, not the pinned {want}')"
 
 FROM ${BASE}
 # Runtime libraries only (GMP for fastecdsa); no compiler, no headers.

@@ -13,8 +13,13 @@ from typing import Any
 from protocol.codec import encode, message
 from protocol.errors import ConfigError
 
-KNOWN_RECIPES = ("tiny-lm",)
-KNOWN_DATASETS = ("stdlib-corpus",)
+KNOWN_RECIPES = ("tiny-lm", "hf-causal-lm", "hf-dpo")
+HF_RECIPES = ("hf-causal-lm", "hf-dpo")
+"""Recipes that build a ``transformers`` causal LM from a model directory published over SHARDCAST."""
+KNOWN_DATASETS = ("stdlib-corpus", "published")
+KNOWN_METHODS = ("full", "lora")
+MAX_TARGET_MODULES = 32
+MAX_PIN_CHARS = 64
 KNOWN_COMPRESSIONS = ("int8",)
 KNOWN_DEVICES = ("cpu", "cuda", "any")
 
@@ -83,12 +88,23 @@ class DatasetSpec:
     max_bytes: int
     sha256: str
     num_shards: int
+    manifest: str = ""
+    """For kind "published": the SHARDCAST manifest id of the records file (``shoal dataset publish``)."""
+    heldout_fraction: float = 0.05
+    """The held-out split: this fraction of the records (the last ones), never trained on."""
 
     def __post_init__(self) -> None:
         _need(self.kind in KNOWN_DATASETS, f"dataset.kind {self.kind!r} is not one of {list(KNOWN_DATASETS)}")
         _need(1024 <= self.max_bytes <= MAX_DATASET_BYTES, f"dataset.max_bytes must be within 1024..{MAX_DATASET_BYTES}")
         _need(_is_hex_hash(self.sha256), "dataset.sha256 must be 64 lowercase hex characters")
         _need(1 <= self.num_shards <= MAX_DATASET_SHARDS, f"dataset.num_shards must be within 1..{MAX_DATASET_SHARDS}")
+        _need(_finite(self.heldout_fraction) and 0 < self.heldout_fraction < 0.5,
+              "dataset.heldout_fraction must be in (0, 0.5)")
+        if self.kind == "published":
+            _need(_is_hex_hash(self.manifest), "a published dataset needs dataset.manifest: the id that "
+                                               "`shoal dataset publish` printed")
+        else:
+            _need(self.manifest == "", f"dataset.manifest is only for published datasets, not {self.kind!r}")
 
 
 @message(tag=22)
@@ -112,10 +128,44 @@ class AdamWSpec:
 class Requirements:
     min_memory_bytes: int
     device: str
+    torch_version: str = ""
+    """If set, only nodes whose trainer runs exactly this torch version join (e.g. "2.13.0+cpu")."""
 
     def __post_init__(self) -> None:
         _need(0 <= self.min_memory_bytes < 1 << 50, "requirements.min_memory_bytes must be >= 0")
         _need(self.device in KNOWN_DEVICES, f"requirements.device must be one of {list(KNOWN_DEVICES)}")
+        _need(len(self.torch_version) <= MAX_PIN_CHARS and all(c.isalnum() or c in ".+-_" for c in self.torch_version),
+              "requirements.torch_version must be a version string such as \"2.13.0+cpu\"")
+
+
+@message(tag=30)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HFSpec:
+    """A ``transformers`` causal LM: the model directory by manifest id, and what of it is trained."""
+
+    model_manifest: str
+    """SHARDCAST manifest id of the model bundle (``shoal model publish DIR``): config, tokenizer, safetensors."""
+    method: str = "lora"
+    """"lora": only adapter weights are trained, exchanged and aggregated; "full": every parameter."""
+    seq_len: int = 128
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    target_modules: tuple[str, ...] = ()
+    """Module names LoRA wraps; empty takes peft's default for the architecture."""
+    dpo_beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        _need(_is_hex_hash(self.model_manifest), "hf.model_manifest must be the id `shoal model publish` printed "
+                                                 "(64 lowercase hex characters)")
+        _need(self.method in KNOWN_METHODS, f"hf.method must be one of {list(KNOWN_METHODS)}")
+        _need(2 <= self.seq_len <= 65536, "hf.seq_len must be within 2..65536")
+        _need(1 <= self.lora_r <= 1024, "hf.lora_r must be within 1..1024")
+        _need(_finite(self.lora_alpha) and 0 < self.lora_alpha <= 4096, "hf.lora_alpha must be in (0, 4096]")
+        _need(len(self.target_modules) <= MAX_TARGET_MODULES and
+              all(0 < len(m) <= MAX_NAME_CHARS and m.replace("_", "").replace(".", "").isalnum()
+                  for m in self.target_modules),
+              "hf.target_modules must be up to 32 module names (letters, digits, _ and .)")
+        _need(_finite(self.dpo_beta) and 0 < self.dpo_beta <= 100, "hf.dpo_beta must be in (0, 100]")
 
 
 @message(tag=24)
@@ -125,7 +175,8 @@ class TaskSpec:
 
     name: str
     recipe: str
-    model: ModelSpec
+    model: ModelSpec | None = None
+    """TinyLM's shape (recipe "tiny-lm"); None for the hf-* recipes, whose model is ``hf``."""
     dataset: DatasetSpec
     inner_steps: int
     time_budget_s: float
@@ -145,6 +196,8 @@ class TaskSpec:
     created_ms: int
     init_manifest: str
     """SHARDCAST manifest id (hex) of the starting weights as named tensors; "" starts from ``seed``."""
+    hf: HFSpec | None = None
+    """The model of the hf-* recipes."""
 
     def __post_init__(self) -> None:
         # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
@@ -166,8 +219,15 @@ class TaskSpec:
         _need(self.time_budget_s < self.round_deadline_s, "time_budget_s must be shorter than round_deadline_s")
         _need(1 <= self.min_members <= self.max_members <= MAX_MEMBERS,
               f"need 1 <= min_members <= max_members <= {MAX_MEMBERS}")
-        _need(self.aggregation_shards <= self.model.num_params(), "aggregation_shards exceeds the parameter count")
         _need(0 <= self.seed < 2**63 and 0 <= self.created_ms < 2**63, "seed and created_ms must fit in 63 bits")
+        if self.recipe in HF_RECIPES:
+            self._check_hf()
+            return
+        _need(self.hf is None, f"the hf table is only for the recipes {list(HF_RECIPES)}")
+        _need(self.model is not None, "missing table model (n_layer, n_head, d_model, seq_len)")
+        _need(self.dataset.kind != "published", "a published dataset needs one of the recipes "
+                                                f"{list(HF_RECIPES)}, which tokenize it")
+        _need(self.aggregation_shards <= self.model.num_params(), "aggregation_shards exceeds the parameter count")
         _need(self.init_manifest == "" or _is_hex_hash(self.init_manifest),
               "init_manifest must be a SHARDCAST manifest id (64 lowercase hex characters) or \"\"")
         window = self.model.seq_len + 1
@@ -177,8 +237,22 @@ class TaskSpec:
         _need(self.dataset.max_bytes * 0.05 >= window, f"the held-out 5% of dataset.max_bytes is shorter than one "
                                                        f"window of {window} bytes: raise dataset.max_bytes")
 
+    def _check_hf(self) -> None:
+        _need(self.hf is not None, f"recipe {self.recipe!r} needs an hf table (model_manifest, method, ...)")
+        _need(self.model is None, f"recipe {self.recipe!r} takes its model from hf.model_manifest: drop the model table")
+        _need(self.dataset.kind == "published", f"recipe {self.recipe!r} trains on a dataset published with "
+                                                "`shoal dataset publish` (dataset.kind = \"published\")")
+        _need(self.init_manifest == "", "init_manifest is for tiny-lm; an hf-* task starts from its model directory")
+        _need(self.recipe != "hf-dpo" or self.hf.method == "lora",
+              "hf-dpo needs hf.method = \"lora\": its reference model is the base with the adapter off")
+
     def memory_estimate_bytes(self) -> int:
-        """A rough peak for one trainer: weights, grads, AdamW moments, outer state, activations."""
+        """A rough peak for one trainer: weights, grads, AdamW moments, outer state, activations.
+
+        0 for the hf-* recipes: their size is known only once the model directory is at hand, where
+        the node checks it (node/train/recipes.py)."""
+        if self.model is None:
+            return 0
         params = self.model.num_params()
         activations = self.batch_size * self.model.seq_len * self.model.d_model * self.model.n_layer * 16 * 4
         return 8 * 4 * params + activations
@@ -298,11 +372,29 @@ class DatasetOffer:
         _need(_is_hex_hash(self.sha256) and _is_hex_hash(self.manifest_id), "ids must be hex sha256")
 
 
+@message(tag=31)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskCancel:
+    """Ends ``task_id`` on every node; honoured only when signed by the key that signed the task's spec."""
+
+    task_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _need(len(self.reason) <= 256, "reason must have at most 256 characters")
+
+
 TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer)
 
 # -- TOML ----------------------------------------------------------------------------------------
 
-_SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements}
+_SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec}
+_OPTIONAL_TABLES: dict[type, set[str]] = {
+    TaskSpec: {"model", "hf"}, DatasetSpec: {"manifest", "heldout_fraction"}, Requirements: {"torch_version"},
+    HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
+}
+"""Keys a TOML spec may leave out: tables that belong to other recipes, and fields with a default."""
 _DEFAULTS: dict[str, Any] = {
     "recipe": "tiny-lm", "time_budget_s": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "int8",
     "aggregation_shards": 2, "aggregators_per_shard": 2, "min_members": 1, "max_members": 64, "seed": 0,
@@ -315,6 +407,10 @@ _DEFAULTS: dict[str, Any] = {
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint == tuple[str, ...]:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"task spec: {key} must be a list of strings")
+        return tuple(value)
     if hint in (int, float, str) and (type(value) is not hint):
         raise ConfigError(f"task spec: {key} = {value!r} must be {'a number' if hint is float else hint.__name__}")
     return value
@@ -331,7 +427,9 @@ def _build(cls: type, table: Any, prefix: str) -> Any:
     kwargs = {}
     for name in names:
         key = prefix + name
-        if name not in table:
+        if name not in table or (table[name] is None and name in _SUB):
+            if cls in _OPTIONAL_TABLES and name in _OPTIONAL_TABLES[cls]:
+                continue
             raise ConfigError(f"task spec: missing key {key}")
         if name in _SUB and cls is TaskSpec:
             kwargs[name] = _build(_SUB[name], table[name], key + ".")

@@ -29,6 +29,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options such as --index-url
     "$VENV/bin/python" -m pip install -q $TORCH_SPEC
     "$VENV/bin/python" -m pip install -q -e '.[test]'
+    # Every node must compute the outer step bit-identically: make sure no dependency swapped the pinned torch.
+    case "$TORCH_SPEC" in torch==*)
+        want_torch="${TORCH_SPEC#torch==}"; want_torch="${want_torch%% *}"
+        got_torch="$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)"
+        if [ "$got_torch" != "$want_torch" ]; then
+            echo "shoal: torch $got_torch is installed, not the pinned $want_torch; a dependency replaced it" >&2
+            exit 2
+        fi;;
+    esac
     printf '%s' "$want" > "$stamp"
 fi
 

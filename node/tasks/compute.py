@@ -30,6 +30,9 @@ def model_config(spec: TaskSpec) -> ModelConfig:
 
 
 def initial_weights(spec: TaskSpec) -> Named:
+    if spec.hf is not None:
+        from node.tasks.hf_task import initial_weights as hf_initial  # drawn by the trainer child
+        return hf_initial(spec)
     return named_tensors(init_model(model_config(spec), spec.seed))
 
 

@@ -1,6 +1,6 @@
 """A task's SHARDCAST traffic: update slices, aggregates, weights and the dataset, each verified on arrival.
 
-It knows nothing of the runner: it is handed the store, the spec and how to charge a peer, and it
+It knows nothing of the runner: it is handed the store, the spec, the model's size and how to charge a peer, and it
 answers the task machine's work effects (Aggregate, Apply, FetchState) with their results.
 """
 
@@ -28,8 +28,10 @@ log = logging.getLogger("shoal.tasks")
 
 class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
-                 penalize: Callable[[str, str], None]):
+                 penalize: Callable[[str, str], None], num_params: Callable[[], int]):
         self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
+        self.num_params = num_params
+        """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize = keypair.peer_id, keypair, penalize
         self.offers: dict[str, DatasetOffer] = {}
         self._offers_changed = trio.Event()
@@ -63,8 +65,7 @@ class Exchange:
         return compute.payload_bytes(manifest, tensors, numel)
 
     def _slice_numel(self, slice_index: int) -> int:
-        n = self.spec.model.num_params()
-        a, b = compute.slice_bounds(n, self.spec.aggregation_shards)[slice_index]
+        a, b = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)[slice_index]
         return b - a
 
     # -- publishing ------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ class Exchange:
             manifest = await self.shardcast.fetch(bytes.fromhex(manifest_hex))
         if manifest.kind == KIND_TENSORS:
             return await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
-        limit = 64 * self.spec.model.num_params() + (1 << 20)
+        limit = 64 * self.num_params() + (1 << 20)
         if manifest.total_bytes > limit:
             raise IntegrityError(f"initial weights file of {manifest.total_bytes} bytes is far larger than the model")
         path = self.dir / "init.safetensors"

@@ -15,8 +15,9 @@ from typing import Any
 
 import trio
 
-from node.tasks import compute
+from node.tasks import compute, history
 from node.tasks.exchange import Exchange
+from node.tasks.hf_task import HFTask, check_trainer
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
 from node.train.diloco import load_named
@@ -57,13 +58,16 @@ class TaskRunner:
             aggregators_per_slice=spec.aggregators_per_shard, round_deadline_s=spec.round_deadline_s,
             quiet_after_s=cfg.suspect_after_s, listen_s=options.listen_s, min_members=spec.min_members,
             max_members=spec.max_members, max_samples=spec.inner_steps * spec.batch_size)
+        self.hf = HFTask(self) if spec.hf is not None else None
+        """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
-                                 keypair=node.keypair, penalize=node.membership.penalize)
+                                 keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params)
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""
-        self.eval_losses: list[tuple[int, float]] = []
-        self.agreement: list[dict] = []
+        self.agreement: list[dict] = history.load(directory)
+        """One row per round this node closed or caught up to, kept on disk across restarts."""
+        self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if "eval_loss" in a]
         self.dissents: list[dict] = []
         self.latest_weights: bytes = b""
         self.corpus_path: Path | None = None
@@ -72,6 +76,7 @@ class TaskRunner:
         self._round_started: dict[int, float] = {}
         self._round_train_s: dict[int, float] = {}
         self._eval: dict[int, float] = {}
+        self._history_lock = trio.Lock()
         self.train_s = 0.0
         """Seconds the trainer child reported training, all rounds together."""
         self.rounds_s = 0.0
@@ -181,6 +186,8 @@ class TaskRunner:
             await trio.sleep_forever()
 
     async def _dataset(self) -> Path:
+        if self.hf is not None:
+            return await self.hf.fetch_inputs()
         cache = self.node.config.data_dir / "tasks" / "corpus"
         ds = self.spec.dataset
         try:
@@ -198,7 +205,9 @@ class TaskRunner:
         # train the moment it holds the swarm's weights instead of falling rounds behind.
         async with open_trainer(env=self.options.trainer_env()) as trainer:
             self.trainer = trainer
-            await trainer.ping()
+            check_trainer(self.spec, await trainer.ping())
+            if self.hf is not None:
+                await self.hf.setup(trainer)  # θ_0's layout, which checkpoints and fetched states are checked against
             self.state = await trio.to_thread.run_sync(compute.load_checkpoint, self.dir, self.spec)
             await self._drive(until_done=True)
         # Finished: the trainer is let go, and the node keeps serving and re-syncing (without evaluating).
@@ -315,6 +324,7 @@ class TaskRunner:
                                    "eval_loss": round(eval_loss, 4), "members": len(job.sources) + 1,
                                    "round_s": 0.0, "train_s": 0.0})
             self.eval_losses.append((job.head.round - 1, eval_loss))
+            self._record_history()
         return Synced(head=job.head)
 
     async def _make_initial(self, _job: MakeInitial) -> Synced:
@@ -346,8 +356,17 @@ class TaskRunner:
                                "peers_agreeing": e.num_agree if e.agreed else None,
                                "eval_loss": round(eval_loss, 4), "members": e.members,
                                "round_s": round(round_s, 2), "train_s": round(self._round_train_s.pop(e.round, 0.0), 2)})
+        self._record_history()
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], e.round, eval_loss,
                  e.weights_hash[:16], "agreed" if e.agreed else "re-syncing")
+
+    def _record_history(self) -> None:
+        self._nursery.start_soon(self._save_history)
+
+    async def _save_history(self) -> None:
+        # One writer at a time, each writing the rows as they are then: the last write holds them all.
+        async with self._history_lock:
+            await trio.to_thread.run_sync(history.record, self.dir, list(self.agreement))
 
     # -- the trainer -------------------------------------------------------------------------------
 
@@ -355,12 +374,15 @@ class TaskRunner:
         spec = self.spec
         mine = assign_shards(self.tid, r, members, spec.dataset.num_shards).get(self.me) or \
             [derive_seed(self.tid, r, self.me) % spec.dataset.num_shards]
-        size = self.corpus_path.stat().st_size
-        ranges, _ = split_ranges(size, spec.dataset.num_shards)
+        if self.hf is not None:
+            shard_ranges = self.hf.train_ranges(mine)
+        else:
+            ranges, _ = split_ranges(self.corpus_path.stat().st_size, spec.dataset.num_shards)
+            shard_ranges = [ranges[i] for i in mine]
         a = spec.adamw
         return await self.trainer.train(
-            model=compute.model_config(spec), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
-            shard_ranges=[ranges[i] for i in mine], steps=spec.inner_steps, batch_size=spec.batch_size,
+            model=self._model_request(), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
+            shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,
             seed=derive_seed(self.tid, r, self.me), out_path=self.dir / "update.safetensors",
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
@@ -368,12 +390,21 @@ class TaskRunner:
             device=self._device())
 
     async def _evaluate(self) -> float:
-        size = self.corpus_path.stat().st_size
-        _, heldout = split_ranges(size, self.spec.dataset.num_shards)
+        if self.hf is not None:
+            heldout = self.hf.heldout_range()
+        else:
+            _, heldout = split_ranges(self.corpus_path.stat().st_size, self.spec.dataset.num_shards)
         return await self.trainer.evaluate(
-            model=compute.model_config(self.spec), weights_path=self.dir / "weights.safetensors",
+            model=self._model_request(), weights_path=self.dir / "weights.safetensors",
             data_path=self.corpus_path, data_range=heldout, num_batches=self.options.eval_batches,
             seed=derive_seed(self.tid, "eval"), batch_size=self.spec.batch_size, device=self._device())
+
+    def _model_request(self):
+        return self.hf.model_request() if self.hf is not None else compute.model_config(self.spec)
+
+    def num_params(self) -> int:
+        """Values a round exchanges: the hf recipe's trainable tensors, or all of TinyLM."""
+        return self.hf.num_params() if self.hf is not None else self.spec.model.num_params()
 
     def _device(self) -> str:
         """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.

@@ -11,12 +11,13 @@ import trio
 
 from node.control import HttpError, Request, Response
 from node.fsutil import write_atomic
+from node.tasks.cancel import Cancels
 from p2p.api import GossipMessage
 from protocol.envelope import open_sealed, seal
 from protocol.scores import FloodLimiter
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
-from protocol.task import (DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, TaskSpec, load_spec_toml,
-                           spec_from_dict, spec_to_dict, task_id)
+from protocol.task import (DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, TaskCancel, TaskSpec,
+                           load_spec_toml, spec_from_dict, spec_to_dict, task_id)
 
 log = logging.getLogger("shoal.tasks")
 
@@ -51,9 +52,10 @@ class KnownTask:
     spec: TaskSpec
     initiator: str
     sealed: bytes
-    decision: str  # "joined" | "declined" | "failed"
+    decision: str  # "joined" | "declined" | "failed" | "cancelled"
     reason: str = ""
     runner: object = None
+    scope: trio.CancelScope | None = None
 
     @property
     def running(self) -> bool:
@@ -65,6 +67,7 @@ class TaskService:
         self.node, self.options = node, options
         self.tasks: dict[str, KnownTask] = {}
         self._decline_log = FloodLimiter(rate_per_s=0.2, burst=20)
+        self.cancels = Cancels(self)
         self._nursery: trio.Nursery | None = None
 
     # -- judging specs ---------------------------------------------------------------------------
@@ -87,15 +90,22 @@ class TaskService:
             raise TaskRejected("this node does not join tasks (join = false)")
 
     def _validate_spec(self, msg: GossipMessage) -> bool:
-        return self.node.membership.check_gossip(msg, max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=TaskSpec) is not None
+        return self.node.membership.check_gossip(msg, max_bytes=DEFAULT_TASK_SPEC_BYTES,
+                                                 expect=(TaskSpec, TaskCancel)) is not None
 
     async def _consume_specs(self, messages) -> None:
         async for msg in messages:
             self.node.traffic.messages_in[SPECS_TOPIC] += 1
             try:
-                signed = open_sealed(msg.data, max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=TaskSpec)
+                signed = open_sealed(msg.data, max_bytes=DEFAULT_TASK_SPEC_BYTES, expect=(TaskSpec, TaskCancel))
             except RemoteProtocolError:
                 continue  # already judged (and charged) by the validator
+            if isinstance(signed.message, TaskCancel):
+                try:
+                    self.cancels.on_cancel(signed.message, signed.signer, msg.data)
+                except TaskRejected:
+                    pass  # logged and counted in on_cancel
+                continue
             try:
                 await self.consider(signed.message, signed.signer, msg.data)
             except Exception:
@@ -108,7 +118,9 @@ class TaskService:
         known = self.tasks.get(tid)
         if known is not None:
             return known
+        directory = self.node.config.data_dir / "tasks" / tid
         try:
+            self.cancels.check_not_cancelled(tid, directory, initiator)
             self.judge(spec, initiator)
             running = sum(k.running for k in self.tasks.values())
             if running >= self.options.max_tasks:
@@ -122,7 +134,6 @@ class TaskService:
             return known
         log.info("joining task %s (%s) from %s", tid[:12], spec.name, initiator)
         known = self._remember(tid, KnownTask(spec, initiator, sealed, "joined"))
-        directory = self.node.config.data_dir / "tasks" / tid
         directory.mkdir(parents=True, exist_ok=True)
         write_atomic(directory / "spec.sealed", sealed)
         from node.tasks.runner import TaskRunner  # torch is imported with it
@@ -141,10 +152,12 @@ class TaskService:
 
     async def _supervise(self, tid: str, known: KnownTask, sealed: bytes,
                          task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The supervision point of one task: its failure marks it failed and never reaches the daemon."""
+        """The supervision point of one task: its failure marks it failed and never reaches the daemon.
+        The runner has a cancel scope of its own, so the initiator's cancel can end it alone."""
         status = _Started(task_status)
         try:
-            await known.runner.run(sealed, task_status=status)
+            with trio.CancelScope() as known.scope:
+                await known.runner.run(sealed, task_status=status)
         except Exception as exc:
             log.exception("task %s (%s) failed", tid[:12], known.spec.name)
             known.decision, known.reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
@@ -186,6 +199,8 @@ class TaskService:
                "reason": known.reason}
         if known.runner is not None:
             out.update(known.runner.status())
+            if known.runner.hf is not None:
+                out["hf"] = known.runner.hf.info
         return out
 
     def status(self) -> dict | None:
@@ -237,11 +252,12 @@ class TaskService:
         shardcast.config.max_known_manifests = max(shardcast.config.max_known_manifests, MIN_KEEP_MANIFESTS)
         messages = self.node.host.subscribe(SPECS_TOPIC, self._validate_spec)
         self.node.routes.update({"/tasks": self.route_list, "/task": self.route_show,
-                                 "/task/publish": self.route_publish})
+                                 "/task/publish": self.route_publish, "/task/cancel": self.cancels.route_cancel})
         self.node.status_sources["task"] = self.status
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._consume_specs, messages)
+            nursery.start_soon(self.cancels.serve_announcements)
             await self._resume()
             task_status.started()
 

@@ -117,6 +117,10 @@ def handle_train(req: dict) -> dict:
     from node.train.inner import AdamWConfig, resolve_device, train_inner
     from node.train.model import ModelConfig
 
+    if _recipes().is_hf(_field(req, "model", dict)):
+        rid = req.get("id")
+        return _recipes().train(req, device=resolve_device(_field(req, "device", str, "auto")),
+                                progress=lambda step, loss: _log(f"train id={rid} step {step} loss {loss:.4f}"))
     config = ModelConfig.from_dict(_field(req, "model", dict))
     adamw = AdamWConfig.from_dict(_field(req, "adamw", dict, {}))
     base = load_named(_field(req, "base_path", str))
@@ -167,6 +171,8 @@ def handle_eval(req: dict) -> dict:
     from node.train.inner import evaluate, resolve_device
     from node.train.model import ModelConfig
 
+    if _recipes().is_hf(_field(req, "model", dict)):
+        return _recipes().evaluate(req, device=resolve_device(_field(req, "device", str, "auto")))
     config = ModelConfig.from_dict(_field(req, "model", dict))
     weights = load_named(_field(req, "weights_path", str))
     data = _read_ranges(_field(req, "data_path", str), [req.get("data_range")])
@@ -183,7 +189,17 @@ def handle_ping(req: dict) -> dict:
     return {"pid": os.getpid(), "torch": torch.__version__}
 
 
-HANDLERS = {"ping": handle_ping, "train": handle_train, "eval": handle_eval}
+def _recipes():
+    """The registry of the recipes beyond tiny-lm (node/train/recipes.py), imported on first use."""
+    from node.train import recipes
+    return recipes
+
+
+def handle_prepare(req: dict) -> dict:
+    return _recipes().prepare(req)
+
+
+HANDLERS = {"ping": handle_ping, "train": handle_train, "eval": handle_eval, "prepare": handle_prepare}
 
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> int:
