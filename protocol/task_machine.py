@@ -280,6 +280,8 @@ class TaskMachine:
     _best: Head | None = None
     _best_dirty: bool = True
     _zero_joins: set[str] = field(default_factory=set)
+    _sync_round: int = -1
+    """The round of the weights being fetched: the message window follows it while syncing."""
     _now: float = float("-inf")
     """The latest ``now`` the caller passed in (next_deadline takes none)."""
 
@@ -355,6 +357,10 @@ class TaskMachine:
 
     def _round(self, r: int) -> RoundState | None:
         anchor = self.current if self.current >= 0 else (self.head.round if self.head else -1)
+        if self.stage is Stage.SYNCING and self._sync_round > anchor:
+            # The swarm's messages for the rounds after the fetched weights arrive during the fetch:
+            # dropping them as "ahead" of the abandoned round would leave nothing to follow with.
+            anchor = self._sync_round
         if anchor >= 0 and not anchor - KEEP_ROUNDS <= r <= anchor + AHEAD_ROUNDS:
             return None
         rec = self.rounds_seen.get(r)
@@ -598,6 +604,7 @@ class TaskMachine:
     def _sync(self, best: Head, sources: tuple[Head, ...], reason: str, *, follow: bool | None) -> list[Effect]:
         """``follow``: join JOIN_LEAD_ROUNDS ahead (True), at once (False), or stay a member as we are (None)."""
         self._to("sync")
+        self._sync_round = best.round
         self._follow_after_sync = follow
         self.detail = f"fetching the weights of round {best.round} ({reason})"
         return [FetchState(best, sources, reason)]
@@ -607,6 +614,8 @@ class TaskMachine:
         if self.stage in (Stage.SYNCING, Stage.FAILED):
             return []
         better = self._better_head(now)
+        if better is not None and self._can_follow(better[0]):
+            better = None
         if better is not None:
             reason = "joining" if self.head is None else "the swarm's history has more work"
             # A joiner follows first; a node that paused, finished or resumed its own checkpoint joins at once.
@@ -631,6 +640,16 @@ class TaskMachine:
             self.detail = f"waiting for members ({count}/{self.min_members} hold these weights)"
             return effects
         return effects + self._open(r, now)
+
+    def _can_follow(self, best: Head) -> bool:
+        """A follower one round behind that holds that round's updates from its weights catches up by
+        applying the round, which is quicker than fetching the weights again (by which time the swarm
+        is ahead once more, and the joiner would never get to train)."""
+        if self.stage is not Stage.RUNNING or self.head is None or best.round != self.head.round + 1 \
+                or self.head.round >= self.produce_from:
+            return False
+        rec = self.rounds_seen.get(self.head.round)
+        return rec is not None and any(u.base_hash == self.head.weights_hash for u in rec.updates.values())
 
     def _begin_fresh(self, now: float) -> list[Effect]:
         if self.stage is not Stage.LISTENING:

@@ -34,8 +34,10 @@ INIT = Head(round=0, weights_hash=h("init"), state_hash=h("init-state"), work=0)
 
 
 class Swarm:
-    def __init__(self, names, *, rounds=10, slices=2, k=2, min_members=1, listen_s=5.0, lie=()):
+    def __init__(self, names, *, rounds=10, slices=2, k=2, min_members=1, listen_s=5.0, lie=(), sync_s=0.0):
         self.now = 0.0
+        self.sync_s = sync_s
+        """Simulated seconds a weights fetch takes (0: at once); the swarm moves on meanwhile."""
         self.rounds, self.slices, self.k, self.min_members, self.listen_s = rounds, slices, k, min_members, listen_s
         self.queue: deque = deque()
         self.machines: dict[str, TaskMachine] = {}
@@ -122,7 +124,9 @@ class Swarm:
             elif isinstance(e, FetchState):
                 reachable = [s for s in e.sources if s.peer_id not in self.dead
                              and self.group[s.peer_id] == self.group[name]]
-                if reachable and (e.head.weights_hash, e.head.state_hash) in self.states:
+                if reachable and (e.head.weights_hash, e.head.state_hash) in self.states and self.sync_s:
+                    heapq.heappush(self.later, (self.now + self.sync_s, next(self._seq), name, Synced(head=e.head)))
+                elif reachable and (e.head.weights_hash, e.head.state_hash) in self.states:
                     self.local(name, Synced(head=e.head))
                 else:
                     self.local(name, SyncFailed(head=e.head, reason="no source"))

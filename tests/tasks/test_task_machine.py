@@ -80,6 +80,20 @@ def test_a_late_joiner_syncs_follows_and_then_trains():
     assert [e.members for n, e in sim.closed if n == "a" and e.round == 7] == [4]
 
 
+def test_a_late_joiner_whose_fetch_outlasts_rounds_follows_the_buffered_rounds_and_trains():
+    # Fetching the weights takes longer than a round: the joiner must keep the rounds' messages that
+    # arrive meanwhile and follow them, rather than fetch again (and be behind again) for ever.
+    sim = Swarm(["a", "b", "c"], rounds=16, sync_s=1.5 * TRAIN_S)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.add("e")
+    sim.run_until(sim.all_done, 120)
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+    fetches = [e for n, e in sim.events if n == "e" and isinstance(e, FetchState)]
+    assert len(fetches) <= 2, [f.head.round for f in fetches]
+    trained = {e.round for n, e in sim.events if n == "e" and type(e).__name__ == "Train"}
+    assert trained and max(trained) == 15, trained
+
+
 def test_a_restarted_node_counts_from_the_round_it_resumes_and_nothing_waits_out_a_deadline():
     sim = Swarm(["a", "b", "c", "d"], rounds=10, min_members=3)
     sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
