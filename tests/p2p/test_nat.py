@@ -1,0 +1,77 @@
+"""Reachability from dial-backs on fresh connections, and the verdict they add up to (real libp2p hosts on loopback)."""
+
+import pytest
+import trio
+
+from p2p import autonat
+from p2p.autonat import Answer, Verdict
+from p2p_harness import Swarm, connect, make_config, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def answer(server: str, ok: bool, ip: str = "203.0.113.7") -> Answer:
+    return Answer(server=server, observed_ip=ip, reachable_ports=(4001,) if ok else (), asked_ports=(4001,))
+
+
+def test_no_answers_is_unknown():
+    assert Verdict().status()[0] == "unknown"
+
+
+def test_one_peer_is_enough_when_it_is_the_only_one():
+    v = Verdict()
+    v.add(answer("a", ok=False))
+    status, why = v.status()
+    assert status == "private" and "could not dial back 203.0.113.7 port 4001" in why
+
+
+def test_two_agreeing_answers_decide_and_a_split_waits():
+    v = Verdict()
+    v.add(answer("a", ok=True))
+    v.add(answer("b", ok=False))
+    assert v.status()[0] == "unknown"
+    v.add(answer("c", ok=True))
+    assert v.status()[0] == "public"
+    assert v.public_endpoints() == [("203.0.113.7", 4001)]
+
+
+def test_a_later_answer_from_the_same_peer_replaces_its_earlier_one():
+    v = Verdict()
+    v.add(answer("a", ok=True))
+    v.add(answer("a", ok=False))
+    assert v.status()[0] == "private"
+
+
+async def test_loopback_hosts_learn_they_are_public_and_serve_as_relays():
+    swarm = Swarm("libp2p")
+    async with swarm.hosts(2, make_config(nat=True)) as (a, b):
+        await connect(a, b)
+        await wait_until(lambda: a.reachability().status == "public" and b.reachability().status == "public",
+                         timeout_s=20)
+        r = a.reachability()
+        assert r.observed_ips == ("127.0.0.1",) and r.relaying and r.dial_backs_ok == 1
+        assert r.public_addrs[0].startswith("/ip4/127.0.0.1/tcp/") and r.public_addrs[0].endswith(a.peer_id)
+        assert a.is_direct(b.peer_id)
+
+
+async def test_dial_back_uses_a_fresh_connection_and_checks_the_key():
+    """The asker is connected already; a port with no listener, or another host's port, must not count."""
+    swarm = Swarm("libp2p")
+    async with swarm.hosts(3, make_config(nat=True)) as (asker, server, stranger):
+        await connect(asker, server)
+        asker_port = int(asker.listen_addrs()[0].split("/tcp/")[1].split("/")[0])
+        stranger_port = int(stranger.listen_addrs()[0].split("/tcp/")[1].split("/")[0])
+        with trio.socket.socket() as probe:  # a port that nothing listens on
+            await probe.bind(("127.0.0.1", 0))
+            dead_port = probe.getsockname()[1]
+        from libp2p.peer.id import ID
+        got = await autonat.ask(asker._host, ID.from_base58(server.peer_id), [asker_port, dead_port, stranger_port])
+        assert got is not None and got.observed_ip == "127.0.0.1"
+        assert got.reachable_ports == (asker_port,)
+
+
+async def test_fake_hosts_report_public_and_direct():
+    swarm = Swarm("fake")
+    async with swarm.hosts(2) as (a, b):
+        await connect(a, b)
+        assert a.reachability().status == "public" and a.is_direct(b.peer_id)
