@@ -25,6 +25,11 @@ def print_status(data: dict, console: Console | None = None) -> None:
     table.add_row("uptime", f"{data.get('uptime_s', 0):.0f} s")
     table.add_row("addresses", "\n".join(data.get("addrs", [])) or "(none announced)")
     table.add_row("control API", data.get("control_url", ""))
+    if data.get("reachability"):
+        r = data["reachability"]
+        table.add_row("reachability", f"{r['status']} ({r['reason']})"
+                      + (f"\nrelays: {len(r['relay_addrs'])}" if r.get("relay_addrs") else "")
+                      + ("\nserving as a relay" if r.get("relaying") else ""))
     table.add_row("roles", ", ".join(data.get("roles", [])))
     table.add_row("peers", f"{peers.get('alive', 0)} alive, {peers.get('suspect', 0)} suspect, "
                            f"{peers.get('dead', 0)} dead; {data.get('connected_peers', 0)} connected")
