@@ -32,6 +32,18 @@ MIN_CONFIRMATIONS = 2
 """Answers that must agree before a verdict (fewer when fewer peers could be asked)."""
 
 
+class _QuietDialBacks(logging.Filter):
+    """A dial-back stops after the Noise handshake, so the asker's swarm logs a muxer failure at
+    ERROR for every check it receives; going on to a muxer would make it a second connection, which
+    libp2p may trim by closing the first. The message says nothing an operator could act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("fail to upgrade mux for peer")
+
+
+logging.getLogger("libp2p.network.swarm").addFilter(_QuietDialBacks())
+
+
 def tcp_endpoint(addr: Any) -> tuple[str, int] | None:
     """(ip4, port) of a /ip4/../tcp/.. multiaddr that goes through no relay; None otherwise."""
     text = str(addr)

@@ -75,3 +75,41 @@ async def test_fake_hosts_report_public_and_direct():
     async with swarm.hosts(2) as (a, b):
         await connect(a, b)
         assert a.reachability().status == "public" and a.is_direct(b.peer_id)
+
+
+async def test_bulk_protocols_never_cross_a_relay_and_relayed_bytes_are_counted():
+    """Loopback hosts: B reaches A through relay R; a bulk stream is refused until DCUtR finds a direct path."""
+    from protocol.errors import PeerUnreachable
+
+    bulk, control = "/test/bulk/1", "/test/control/1"
+    swarm = Swarm("libp2p")
+    config = make_config(nat=True, direct_only_protocols=(bulk,))
+    async with swarm.hosts(3, config) as (r, a, b):
+        async def echo(stream):
+            await stream.write(await stream.read(100))
+            await stream.close()
+        for host in (a, b):
+            host.set_stream_handler(bulk, echo)
+            host.set_stream_handler(control, echo)
+        await connect(a, r)
+        await connect(b, r)
+        await wait_until(lambda: r.reachability().relaying, timeout_s=20)
+        await a.nat._keep_relays()  # as a private node would; on loopback everyone is public
+        relay_addr = a.reachability().relay_addrs[0]
+        assert "/p2p-circuit/p2p/" + a.peer_id in relay_addr
+        assert await b.connect(relay_addr) == a.peer_id
+        assert not b.is_direct(a.peer_id)
+        stream = await b.open_stream(a.peer_id, control)  # small control streams may use the relay
+        await stream.write(b"ping")
+        assert await stream.read(100) == b"ping"
+        await stream.close()
+        with pytest.raises(PeerUnreachable, match="never runs over a relay"):
+            await b.open_stream(a.peer_id, bulk)
+        assert b.statistics().relayed_streams_refused == 1
+        assert b.statistics().relayed_bytes_by_protocol[control] == 4 + 4
+        await wait_until(lambda: b.is_direct(a.peer_id), timeout_s=30)  # DCUtR upgrades the connection
+        stream = await b.open_stream(a.peer_id, bulk)
+        await stream.write(b"x" * 50)
+        assert await stream.read(100) == b"x" * 50
+        await stream.close()
+        assert bulk not in b.statistics().relayed_bytes_by_protocol
