@@ -27,9 +27,11 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID, Transport a
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, StreamHandler
+from p2p.api import (GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, Reachability,
+                    StreamHandler)
 from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
                         guard_pubsub, guard_swarm_streams, protect_peerstore)
+from p2p.nat import NatService, is_relayed_stream
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -61,13 +63,18 @@ _STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResource
 class _Stream:
     """A libp2p stream seen through p2p.api.Stream: EOF is b"", failures are StreamClosed, bytes are counted."""
 
-    __slots__ = ("_raw", "_stats", "remote_peer", "protocol")
+    __slots__ = ("_raw", "_stats", "remote_peer", "protocol", "_relayed")
 
     def __init__(self, raw: Any, remote_peer: str, protocol: str, stats: HostStatistics):
         self._raw = raw
         self._stats = stats
         self.remote_peer = remote_peer
         self.protocol = protocol
+        self._relayed = is_relayed_stream(raw)
+
+    def _count_relayed(self, num_bytes: int) -> None:
+        by_protocol = self._stats.relayed_bytes_by_protocol
+        by_protocol[self.protocol] = by_protocol.get(self.protocol, 0) + num_bytes
 
     async def read(self, max_bytes: int) -> bytes:
         if max_bytes <= 0:
@@ -81,6 +88,8 @@ class _Stream:
         except _STREAM_ERRORS as exc:
             raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
         self._stats.bytes_received += len(data)
+        if self._relayed:
+            self._count_relayed(len(data))
         by_peer = self._stats.bytes_received_by_peer
         by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(data)
         return data
@@ -93,6 +102,8 @@ class _Stream:
         except _STREAM_ERRORS as exc:
             raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
         self._stats.bytes_sent += len(payload)
+        if self._relayed:
+            self._count_relayed(len(payload))
         by_peer = self._stats.bytes_sent_by_peer
         by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(payload)
 
@@ -169,6 +180,13 @@ class Libp2pHost:
         self._publish_lock = trio.Lock()
         self._stuck_peers: set[Any] = set()
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
+        self.nat: NatService | None = None
+
+    def reachability(self) -> Reachability:
+        return self.nat.reachability() if self.nat is not None else Reachability(reason="NAT checks are off")
+
+    def is_direct(self, peer_id: str) -> bool:
+        return self.nat is None or self.nat.is_direct(peer_id)
 
     def listen_addrs(self) -> list[str]:
         return [str(addr) for addr in self._host.get_addrs()]
@@ -184,7 +202,10 @@ class Libp2pHost:
         timeout_s = self._config.dial_timeout_s
         try:
             with trio.fail_after(timeout_s):
-                await self._host.connect(info)
+                if "/p2p-circuit" in addr and self.nat is not None:
+                    await self.nat.dial_relayed(addr)
+                else:
+                    await self._host.connect(info)
         except trio.TooSlowError:
             raise PeerUnreachable(f"dialing {addr} timed out after {timeout_s} s") from None
         except Exception as exc:  # the one place dial failures (swarm, transport, handshake) are mapped
@@ -217,6 +238,11 @@ class Libp2pHost:
             if self._gate.is_blocked(remote):
                 await stream.reset()
                 return
+            if stream._relayed and protocol in self._config.direct_only_protocols:
+                self._stats.relayed_streams_refused += 1  # bulk data never crosses a relay
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await stream.reset()
+                return
             try:
                 await handler(stream)
             except Exception as exc:
@@ -238,6 +264,9 @@ class Libp2pHost:
     async def open_stream(self, peer_id: str, protocol: str) -> _Stream:
         pid = _to_id(peer_id)
         timeout_s = self._config.stream_open_timeout_s
+        if protocol in self._config.direct_only_protocols and not self.is_direct(peer_id):
+            self._stats.relayed_streams_refused += 1
+            raise PeerUnreachable(f"no direct connection to {peer_id}: {protocol} never runs over a relay")
         try:
             with trio.fail_after(timeout_s):
                 raw = await self._host.new_stream(pid, [TProtocol(protocol)])
@@ -392,7 +421,8 @@ class Libp2pHost:
         return dataclasses.replace(s, connected_peers=len(self._host.get_connected_peers()),
                                    bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
                                    bytes_received_by_peer=dict(s.bytes_received_by_peer),
-                                   offences=dict(self._offences.by_reason), blocked_peers=len(self._gate.blocked()))
+                                   offences=dict(self._offences.by_reason), blocked_peers=len(self._gate.blocked()),
+                                   relayed_bytes_by_protocol=dict(s.relayed_bytes_by_protocol))
 
 
 async def _no_auto_dial() -> None:
@@ -455,6 +485,8 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
             await pubsub.wait_until_ready()
             nursery = await stack.enter_async_context(trio.open_nursery())
             host = Libp2pHost(keypair, config, raw_host, pubsub, nursery, offences, gate)
+            if config.nat:
+                host.nat = await nursery.start(NatService(raw_host, config).run)
             if config.mdns:
                 on_discovered = _thread_forwarder(host, trio.lowlevel.current_trio_token())
                 peerDiscovery.register_peer_discovered_handler(on_discovered)
