@@ -16,9 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
-from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig
-from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as MESHSUB_10, PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
@@ -27,11 +25,12 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID, Transport a
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p.streams import _STREAM_ERRORS, _Stream
 from p2p.api import (GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, Reachability,
                     StreamHandler)
 from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
                         guard_pubsub, guard_swarm_streams, protect_peerstore)
-from p2p.nat import NatService, is_relayed_stream
+from p2p.nat import NatService
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -57,75 +56,6 @@ MAX_PENDING_FORWARDERS = 4096
 """Validated messages whose forwarder we remember until the subscription consumer picks them up."""
 
 # Errors a libp2p stream raises once its stream or connection is gone (EOF is handled separately).
-_STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-
-
-class _Stream:
-    """A libp2p stream seen through p2p.api.Stream: EOF is b"", failures are StreamClosed, bytes are counted."""
-
-    __slots__ = ("_raw", "_stats", "remote_peer", "protocol", "_relayed")
-
-    def __init__(self, raw: Any, remote_peer: str, protocol: str, stats: HostStatistics):
-        self._raw = raw
-        self._stats = stats
-        self.remote_peer = remote_peer
-        self.protocol = protocol
-        self._relayed = is_relayed_stream(raw)
-
-    def _count_relayed(self, num_bytes: int) -> None:
-        by_protocol = self._stats.relayed_bytes_by_protocol
-        by_protocol[self.protocol] = by_protocol.get(self.protocol, 0) + num_bytes
-
-    async def read(self, max_bytes: int) -> bytes:
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, not {max_bytes}")
-        try:
-            data = await self._raw.read(max_bytes)
-        except StreamEOF as exc:
-            if _eof_is_genuine(self._raw):
-                return b""
-            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} was reset or lost") from exc
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
-        self._stats.bytes_received += len(data)
-        if self._relayed:
-            self._count_relayed(len(data))
-        by_peer = self._stats.bytes_received_by_peer
-        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(data)
-        return data
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        # Noise encrypts through APIs that want bytes; the copy is small next to the encryption cost.
-        payload = data if isinstance(data, bytes) else bytes(data)
-        try:
-            await self._raw.write(payload)
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
-        self._stats.bytes_sent += len(payload)
-        if self._relayed:
-            self._count_relayed(len(payload))
-        by_peer = self._stats.bytes_sent_by_peer
-        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(payload)
-
-    async def close_write(self) -> None:
-        try:
-            await self._raw.close_write()
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
-
-    async def close(self) -> None:
-        try:
-            await self._raw.close()
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
-
-    async def reset(self) -> None:
-        try:
-            await self._raw.reset()
-        except _STREAM_ERRORS:
-            pass  # a reset of a dead stream has nothing left to do
-
-
 class _DirectDelivery:
     """Stands in for libp2p's per-topic subscription channel, whose only use is send_nowait()."""
 
@@ -142,18 +72,6 @@ class _DirectDelivery:
 
     async def aclose(self) -> None:
         pass
-
-
-def _eof_is_genuine(raw: Any) -> bool:
-    """True only for a FIN from the peer.
-
-    Yamux in 0.8.1 also raises EOF when an RST or a dying connection removes the stream while a
-    read waits ("Stream was removed during read"); that must not look like a clean end.
-    """
-    muxed = getattr(raw, "muxed_stream", None)
-    if muxed is None or not hasattr(muxed, "recv_closed"):
-        return True
-    return bool(muxed.recv_closed) and not getattr(muxed, "reset_received", False)
 
 
 def _to_id(peer_id: str) -> ID:
