@@ -53,6 +53,10 @@ class NodeConfig:
     """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
     shard_bytes: int = DEFAULT_SHARD_BYTES
     """Shard size for files this node publishes; smaller shards spread sooner, larger ones cost less per byte."""
+    nat: bool = True
+    """Learn reachability from peers' dial-backs; behind NAT, reserve relay slots and punch holes."""
+    relay_service: bool = True
+    """Serve as a limited circuit relay (control traffic only) once peers confirm this node is public."""
     log_json: bool = False
     log_level: str = "info"
 

@@ -22,6 +22,7 @@ from node.config import NodeConfig
 from node.control import SOCKET_FILE, TOKEN_FILE, Request, Response, ensure_token, serve_control
 from node.membership import Membership, Traffic
 from node.metrics import Sample, render, task_samples
+from node.shardcast.transfer import SHARD_PROTOCOL
 from p2p.api import Host, HostConfig
 from protocol.errors import ConfigError
 from protocol.keys import Keypair
@@ -30,6 +31,8 @@ from protocol.messages import HardwareSummary
 log = logging.getLogger("shoal.node")
 
 READY_FILE = "node.json"
+BULK_PROTOCOLS = (SHARD_PROTOCOL,)
+"""Shards and updates: never over a relayed connection."""
 LOCK_FILE = "node.lock"
 
 
@@ -188,7 +191,9 @@ async def run_node(config: NodeConfig, *, services: Iterable[ServiceFactory] = (
         hardware = HardwareSummary(devices=tuple(summary["devices"]), memory_bytes=summary["memory_bytes"],
                                    tflops=summary["tflops"])
         host_config = HostConfig(listen_addrs=list(config.listen), mdns=config.mdns,
-                                 dial_timeout_s=config.dial_timeout_s, max_connections=config.max_peers * 2)
+                                 dial_timeout_s=config.dial_timeout_s, max_connections=config.max_peers * 2,
+                                 nat=config.nat, relay_service=config.relay_service,
+                                 direct_only_protocols=BULK_PROTOCOLS)
         async with host_factory(keypair, host_config) as host:
             node = Node(config=config, keypair=keypair, host=host, hardware=hardware,
                         hardware_report=report.to_dict())

@@ -86,8 +86,11 @@ class Membership:
             suffix = f"/p2p/{self.keypair.peer_id}"
             return tuple(a if "/p2p/" in a else a + suffix for a in self.config.announce_addrs)
         # A peer cannot dial 0.0.0.0: announce each interface's address instead (loopback last).
-        # Behind NAT, announce_addrs is what peers outside should use.
-        return tuple(expand_unspecified(self.host.listen_addrs())[:MAX_ADDRS])
+        # Behind NAT, the relayed addresses come first; confirmed public ones go first too.
+        local = expand_unspecified(self.host.listen_addrs())
+        r = self.host.reachability()
+        first = list(r.relay_addrs) if r.status == "private" else [a for a in r.public_addrs if a not in local]
+        return tuple((first + local)[:MAX_ADDRS])
 
     def announcement(self) -> bytes:
         # Wall-clock milliseconds keep seq increasing across restarts; +1 keeps it strictly increasing.

@@ -41,6 +41,11 @@ def print_status(data: dict, console: Console | None = None) -> None:
     table.add_row("uptime", f"{data.get('uptime_s', 0):.0f} s")
     table.add_row("addresses", "\n".join(data.get("addrs", [])) or "(none announced)")
     table.add_row("control API", data.get("control_url", ""))
+    if data.get("reachability"):
+        r = data["reachability"]
+        table.add_row("reachability", f"{r['status']} ({r['reason']})"
+                      + (f"\nrelays: {len(r['relay_addrs'])}" if r.get("relay_addrs") else "")
+                      + ("\nserving as a relay" if r.get("relaying") else ""))
     table.add_row("roles", ", ".join(data.get("roles", [])))
     if data.get("hardware"):
         table.add_row("hardware", hardware_line(data["hardware"]))

@@ -6,7 +6,7 @@ Errors are the ones from protocol.errors: PeerUnreachable, StreamClosed, Transfe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Awaitable, Callable, Protocol
 
 import trio
@@ -57,6 +57,28 @@ GossipValidator = Callable[[GossipMessage], bool]
 """Decides whether a message is accepted and relayed. Must be cheap; an exception counts as False."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reachability:
+    """Whether peers can dial this host, as learned from their dial-backs on fresh connections."""
+
+    status: str = "unknown"
+    """public, private or unknown."""
+    reason: str = "not checked"
+    observed_ips: tuple[str, ...] = ()
+    """The address(es) peers see our connections come from (our NAT's public side when private)."""
+    public_addrs: tuple[str, ...] = ()
+    """Addresses that peers have dialed back successfully."""
+    relay_addrs: tuple[str, ...] = ()
+    """/p2p-circuit addresses through the relays holding a reservation for us."""
+    relaying: bool = False
+    """Whether we serve as a circuit relay for others."""
+    dial_backs_ok: int = 0
+    dial_backs_failed: int = 0
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
 @dataclass(kw_only=True)
 class HostConfig:
     listen_addrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
@@ -68,6 +90,12 @@ class HostConfig:
     max_gossip_bytes: int = 256 * 1024
     subscription_buffer: int = 1024
     max_connections: int = 200
+    nat: bool = False
+    """Check reachability, use relays when private, punch holes (p2p.nat)."""
+    relay_service: bool = True
+    """With nat: serve as a limited circuit relay once peers confirm we are public."""
+    direct_only_protocols: tuple[str, ...] = ()
+    """Protocols (bulk data) that never run over a relayed connection, in either direction."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +115,10 @@ class HostStatistics:
     offences: dict[str, int] = field(default_factory=dict)
     """Input refused inside the host, by reason (also handed to the offence handler)."""
     blocked_peers: int = 0
+    relayed_bytes_by_protocol: dict[str, int] = field(default_factory=dict)
+    """Bytes read or written on streams that ran over a circuit relay."""
+    relayed_streams_refused: int = 0
+    """Streams of direct_only_protocols refused because the only path was a relay."""
 
 
 class Host(Protocol):
@@ -144,3 +176,9 @@ class Host(Protocol):
         """Multiaddrs of peers found by mDNS (empty when mDNS is off); the node decides whom to dial."""
 
     def statistics(self) -> HostStatistics: ...
+
+    def reachability(self) -> Reachability:
+        """What dial-backs have shown so far (status "unknown" until enough peers answered)."""
+
+    def is_direct(self, peer_id: str) -> bool:
+        """True when some connection to the peer goes straight to it, not through a relay."""

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 import trio
 
-from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, StreamHandler
+from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, Reachability, StreamHandler
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -274,6 +274,13 @@ class FakeHost:
         return dataclasses.replace(s, connected_peers=len(self._links), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
                                    bytes_received_by_peer=dict(s.bytes_received_by_peer),
                                    blocked_peers=sum(self._is_blocked(p) for p in list(self._blocked_until)))
+
+    def reachability(self) -> Reachability:
+        # The in-memory network has no NAT: every host can be reached by every other.
+        return Reachability(status="public", reason="in-memory network (no NAT)")
+
+    def is_direct(self, peer_id: str) -> bool:
+        return True
 
 
 class FakeNetwork:

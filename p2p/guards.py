@@ -374,7 +374,7 @@ def fix_prune_backoff(gossipsub: Any) -> None:
     gossipsub.emit_prune = emit_prune_with_backoff
 
 
-def fix_inbound_slots(raw_host: Any) -> None:
+def fix_inbound_slots(raw_host: Any, offences: Offences) -> None:
     """Give an inbound connection's slot back when the connection ends, not when the host stops.
 
     py-libp2p admits inbound connections through a CapacityLimiter (max_connections slots),
@@ -409,7 +409,9 @@ def fix_inbound_slots(raw_host: Any) -> None:
         try:
             muxed_conn = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
         except Exception as exc:
+            # Before the muxer runs, the swarm does not tell us who it was: counted, charged to no one.
             logger.debug("inbound connection from %s failed: %r", remote, exc)
+            offences.count("connection_upgrade_failed")
             await close_quietly(raw_conn)
             return
         registered = [c for c in swarm.connections.get(muxed_conn.peer_id, []) if c.muxed_conn is muxed_conn]

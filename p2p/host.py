@@ -16,9 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
-from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig
-from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as MESHSUB_10, PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
@@ -27,9 +25,12 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID, Transport a
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID, Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2p.api import GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, StreamHandler
+from p2p.streams import _STREAM_ERRORS, _Stream
+from p2p.api import (GossipMessage, GossipValidator, HostConfig, HostStatistics, OffenceHandler, Reachability,
+                    StreamHandler)
 from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
                         guard_pubsub, guard_swarm_streams, protect_peerstore)
+from p2p.nat import NatService
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -55,66 +56,6 @@ MAX_PENDING_FORWARDERS = 4096
 """Validated messages whose forwarder we remember until the subscription consumer picks them up."""
 
 # Errors a libp2p stream raises once its stream or connection is gone (EOF is handled separately).
-_STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-
-
-class _Stream:
-    """A libp2p stream seen through p2p.api.Stream: EOF is b"", failures are StreamClosed, bytes are counted."""
-
-    __slots__ = ("_raw", "_stats", "remote_peer", "protocol")
-
-    def __init__(self, raw: Any, remote_peer: str, protocol: str, stats: HostStatistics):
-        self._raw = raw
-        self._stats = stats
-        self.remote_peer = remote_peer
-        self.protocol = protocol
-
-    async def read(self, max_bytes: int) -> bytes:
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, not {max_bytes}")
-        try:
-            data = await self._raw.read(max_bytes)
-        except StreamEOF as exc:
-            if _eof_is_genuine(self._raw):
-                return b""
-            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} was reset or lost") from exc
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
-        self._stats.bytes_received += len(data)
-        by_peer = self._stats.bytes_received_by_peer
-        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(data)
-        return data
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        # Noise encrypts through APIs that want bytes; the copy is small next to the encryption cost.
-        payload = data if isinstance(data, bytes) else bytes(data)
-        try:
-            await self._raw.write(payload)
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
-        self._stats.bytes_sent += len(payload)
-        by_peer = self._stats.bytes_sent_by_peer
-        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(payload)
-
-    async def close_write(self) -> None:
-        try:
-            await self._raw.close_write()
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
-
-    async def close(self) -> None:
-        try:
-            await self._raw.close()
-        except _STREAM_ERRORS as exc:
-            raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
-
-    async def reset(self) -> None:
-        try:
-            await self._raw.reset()
-        except _STREAM_ERRORS:
-            pass  # a reset of a dead stream has nothing left to do
-
-
 class _DirectDelivery:
     """Stands in for libp2p's per-topic subscription channel, whose only use is send_nowait()."""
 
@@ -131,18 +72,6 @@ class _DirectDelivery:
 
     async def aclose(self) -> None:
         pass
-
-
-def _eof_is_genuine(raw: Any) -> bool:
-    """True only for a FIN from the peer.
-
-    Yamux in 0.8.1 also raises EOF when an RST or a dying connection removes the stream while a
-    read waits ("Stream was removed during read"); that must not look like a clean end.
-    """
-    muxed = getattr(raw, "muxed_stream", None)
-    if muxed is None or not hasattr(muxed, "recv_closed"):
-        return True
-    return bool(muxed.recv_closed) and not getattr(muxed, "reset_received", False)
 
 
 def _to_id(peer_id: str) -> ID:
@@ -169,6 +98,13 @@ class Libp2pHost:
         self._publish_lock = trio.Lock()
         self._stuck_peers: set[Any] = set()
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
+        self.nat: NatService | None = None
+
+    def reachability(self) -> Reachability:
+        return self.nat.reachability() if self.nat is not None else Reachability(reason="NAT checks are off")
+
+    def is_direct(self, peer_id: str) -> bool:
+        return self.nat is None or self.nat.is_direct(peer_id)
 
     def listen_addrs(self) -> list[str]:
         return [str(addr) for addr in self._host.get_addrs()]
@@ -184,7 +120,10 @@ class Libp2pHost:
         timeout_s = self._config.dial_timeout_s
         try:
             with trio.fail_after(timeout_s):
-                await self._host.connect(info)
+                if "/p2p-circuit" in addr and self.nat is not None:
+                    await self.nat.dial_relayed(addr)
+                else:
+                    await self._host.connect(info)
         except trio.TooSlowError:
             raise PeerUnreachable(f"dialing {addr} timed out after {timeout_s} s") from None
         except Exception as exc:  # the one place dial failures (swarm, transport, handshake) are mapped
@@ -217,6 +156,11 @@ class Libp2pHost:
             if self._gate.is_blocked(remote):
                 await stream.reset()
                 return
+            if stream._relayed and protocol in self._config.direct_only_protocols:
+                self._stats.relayed_streams_refused += 1  # bulk data never crosses a relay
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await stream.reset()
+                return
             try:
                 await handler(stream)
             except Exception as exc:
@@ -238,6 +182,9 @@ class Libp2pHost:
     async def open_stream(self, peer_id: str, protocol: str) -> _Stream:
         pid = _to_id(peer_id)
         timeout_s = self._config.stream_open_timeout_s
+        if protocol in self._config.direct_only_protocols and not self.is_direct(peer_id):
+            self._stats.relayed_streams_refused += 1
+            raise PeerUnreachable(f"no direct connection to {peer_id}: {protocol} never runs over a relay")
         try:
             with trio.fail_after(timeout_s):
                 raw = await self._host.new_stream(pid, [TProtocol(protocol)])
@@ -392,7 +339,8 @@ class Libp2pHost:
         return dataclasses.replace(s, connected_peers=len(self._host.get_connected_peers()),
                                    bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
                                    bytes_received_by_peer=dict(s.bytes_received_by_peer),
-                                   offences=dict(self._offences.by_reason), blocked_peers=len(self._gate.blocked()))
+                                   offences=dict(self._offences.by_reason), blocked_peers=len(self._gate.blocked()),
+                                   relayed_bytes_by_protocol=dict(s.relayed_bytes_by_protocol))
 
 
 async def _no_auto_dial() -> None:
@@ -427,9 +375,9 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     max_rpc_bytes = max(1 << 20, 2 * config.max_gossip_bytes + GOSSIP_RPC_OVERHEAD_BYTES)
     pubsub = Pubsub(raw_host, gossipsub, strict_signing=True, max_inbound_rpc_size=max_rpc_bytes)
     fix_prune_backoff(gossipsub)
-    fix_inbound_slots(raw_host)
-    protect_peerstore(raw_host)
     offences = Offences()
+    fix_inbound_slots(raw_host, offences)
+    protect_peerstore(raw_host)
     guard_swarm_streams(raw_host, offences)
     guard_identify_push(raw_host, offences)
     guard_pubsub(raw_host, pubsub, offences, max_message_bytes=config.max_gossip_bytes)
@@ -455,6 +403,8 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
             await pubsub.wait_until_ready()
             nursery = await stack.enter_async_context(trio.open_nursery())
             host = Libp2pHost(keypair, config, raw_host, pubsub, nursery, offences, gate)
+            if config.nat:
+                host.nat = await nursery.start(NatService(raw_host, config).run)
             if config.mdns:
                 on_discovered = _thread_forwarder(host, trio.lowlevel.current_trio_token())
                 peerDiscovery.register_peer_discovered_handler(on_discovered)

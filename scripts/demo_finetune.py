@@ -143,7 +143,7 @@ def run_demo(work_dir: Path, *, recipe: str = "hf-causal-lm", method: str = "lor
         swarm.start(watch_interval_s=0.3)
         wait_for(swarm, swarm.all_see_all, 90, "every node sees the others")
         node0 = swarm.nodes[0]
-        url = ["--url", node0.control_url]
+        url = ["--data-dir", str(node0.data_dir)]  # its token and socket live there
         model = json.loads(shoal("model", "publish", str(model_dir), "--json", *url))
         data = json.loads(shoal("dataset", "publish", str(data_file), "--json", *url))
         run = TaskRun(swarm, task_fields(recipe=recipe, method=method, model=model, data=data, rounds=rounds,

@@ -149,6 +149,9 @@ class Fuzzer:
                 if self.total >= self.frames or failures >= 5:
                     break
                 kind = self._kind()
+                # Counted before the send: concurrent attackers must not overshoot --frames.
+                self.sent[kind] += 1
+                self.total += 1
                 try:
                     with trio.fail_after(OP_TIMEOUT_S):
                         if kind == "gossip":
@@ -163,8 +166,6 @@ class Fuzzer:
                 except Exception:
                     failures += 1
                     gossip = None  # reset by the node (as it should be for junk), or we were banned
-                self.sent[kind] += 1
-                self.total += 1
             with trio.move_on_after(2):
                 await peer.host.close()
 

@@ -13,6 +13,18 @@ if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
     echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2
     exit 2
 fi
+# The NAT tests build routers with nftables (and the NAT benchmark clears their state with conntrack):
+# as root, install them from Debian's packages when missing; without root those tests skip.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    missing=""
+    command -v nft >/dev/null 2>&1 || missing="$missing nftables"
+    command -v conntrack >/dev/null 2>&1 || missing="$missing conntrack"
+    if [ -n "$missing" ]; then
+        echo "setup: installing$missing for the netlab NAT tests" >&2
+        apt-get install -y -q $missing >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $missing >/dev/null; } \
+            || echo "setup: could not install$missing; the netlab NAT tests will skip" >&2
+    fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
