@@ -558,11 +558,30 @@ class TaskMachine:
             # Into a running swarm a node follows JOIN_LEAD_ROUNDS first; into a paused one (a healed
             # partition) it is counted at once, or no side would ever reach min_members again. A node
             # re-synced by a vote says so too: its last announced weights are not the ones it holds.
-            lead = JOIN_LEAD_ROUNDS if self._follow_after_sync else 0
-            self.produce_from = ev.head.round + lead
-            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=self.produce_from)))
+            if self._follow_after_sync and ev.head.round <= self.produce_from:
+                # A joiner overtaken while it followed: the members still count it from the round it
+                # declared (and wait for it there), so it keeps that round rather than declare a later
+                # one, which a follower slower than the swarm's rounds would never reach.
+                pass
+            else:
+                if self._follow_after_sync:
+                    lead = JOIN_LEAD_ROUNDS
+                else:
+                    # At once only while the round cannot have closed anywhere: members that already
+                    # gathered it without us would pick other aggregators than we do.
+                    lead = 1 if self._closing(ev.head) else 0
+                self.produce_from = ev.head.round + lead
+                effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=self.produce_from)))
         self._forget_before(ev.head.round)
         return effects + self._begin(now)
+
+    def _closing(self, head: Head) -> bool:
+        """Round head.round may be closing somewhere: enough updates from its base, or an aggregate, seen."""
+        rec = self.rounds_seen.get(head.round)
+        if rec is None:
+            return False
+        return bool(rec.aggregates) or sum(
+            1 for u in rec.updates.values() if u.base_hash == head.weights_hash) >= self.min_members
 
     def _on_SyncFailed(self, ev: SyncFailed, now: float) -> list[Effect]:
         assert self.stage is Stage.SYNCING, "SyncFailed unasked"
@@ -602,7 +621,8 @@ class TaskMachine:
                            if self._usable(w, now) and Head.of(w).same_weights(best))
 
     def _sync(self, best: Head, sources: tuple[Head, ...], reason: str, *, follow: bool | None) -> list[Effect]:
-        """``follow``: join JOIN_LEAD_ROUNDS ahead (True), at once (False), or stay a member as we are (None)."""
+        """``follow``: join JOIN_LEAD_ROUNDS ahead (True), or as soon as the round allows (False, or None
+        after a vote or θ_0, which says the node stays a member as it was)."""
         self._to("sync")
         self._sync_round = best.round
         self._follow_after_sync = follow
@@ -618,8 +638,10 @@ class TaskMachine:
             better = None
         if better is not None:
             reason = "joining" if self.head is None else "the swarm's history has more work"
-            # A joiner follows first; a node that paused, finished or resumed its own checkpoint joins at once.
-            return self._sync(*better, reason, follow=self.head is None)
+            # A joiner (still before the round it declared) keeps following; a member that paused,
+            # finished or resumed its own checkpoint is counted at once where it can be.
+            pending_join = self.head is None or self.head.round < self.produce_from
+            return self._sync(*better, reason, follow=pending_join)
         if self.head is None:
             return self._begin_fresh(now)
         if self.head.round >= self.rounds:
@@ -783,6 +805,10 @@ class TaskMachine:
                 p not in voters and self.live(p, now) for p in reversed(rec.waiting_votes)):
             return []
         self._move(rec, "voted")
+        # Only the round's members vote: weights from a node that was not counted in the round (a
+        # joiner that counted itself early, a node on another history) are no vote on it.
+        counted = set(rec.members)
+        voters = {p: w for p, w in voters.items() if p in counted}
         winner, num_for, num_against = vote(rec.mine, voters)
         effects: list[Effect] = [Dissent(rec.index, p, w.weights_hash)
                                  for p, w in sorted(voters.items()) if w.weights_hash != winner]

@@ -95,7 +95,7 @@ class Exchange:
                 self.penalize(update.producer, "corrupt_shard")
             except (TransportError, trio.TooSlowError) as exc:
                 log.info("task %s round %d: slice %d from %s not fetched: %s", self.tid[:12], job.round,
-                         job.slice, update.producer, exc or "timeout")
+                         job.slice, update.producer, str(exc) or "timed out")
 
         async with trio.open_nursery() as nursery:
             for update in job.updates:
@@ -141,7 +141,7 @@ class Exchange:
                     self.penalize(candidate.aggregator, "corrupt_shard")
                     log.warning("aggregate from %s rejected: %s", candidate.aggregator, exc)
                 except (TransportError, trio.TooSlowError) as exc:
-                    log.info("aggregate from %s not fetched: %s", candidate.aggregator, exc or "timeout")
+                    log.info("aggregate from %s not fetched: %s", candidate.aggregator, str(exc) or "timed out")
 
         async with trio.open_nursery() as nursery:
             for i in range(len(job.chosen)):
@@ -199,7 +199,7 @@ class Exchange:
                 self.penalize(source.peer_id, "corrupt_shard")
                 log.warning("weights from %s rejected: %s", source.peer_id, exc)
             except (TransportError, trio.TooSlowError) as exc:
-                log.info("weights from %s not fetched: %s", source.peer_id, exc or "timeout")
+                log.info("weights from %s not fetched: %s", source.peer_id, str(exc) or "timed out")
         return None
 
     # -- the dataset -------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Exchange:
                         os.replace(tmp, dest)
                         return
                     except (RemoteProtocolError, TransportError, trio.TooSlowError) as exc:
-                        log.warning("dataset offer %s failed: %s", mid[:16], exc or "timeout")
+                        log.warning("dataset offer %s failed: %s", mid[:16], str(exc) or "timed out")
                 await self._offers_changed.wait()
         raise TaskRejected(f"dataset {want[:16]}... differs from this node's stdlib corpus and no peer "
                            f"delivered it within {wait_s:.0f} s")

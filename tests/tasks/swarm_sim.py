@@ -36,6 +36,8 @@ INIT = Head(round=0, weights_hash=h("init"), state_hash=h("init-state"), work=0)
 class Swarm:
     def __init__(self, names, *, rounds=10, slices=2, k=2, min_members=1, listen_s=5.0, lie=(), sync_s=0.0):
         self.now = 0.0
+        self.apply_s: dict[str, float] = {}
+        """Per node, simulated seconds its Apply takes (a slow trainer); others apply at once."""
         self.sync_s = sync_s
         """Simulated seconds a weights fetch takes (0: at once); the swarm moves on meanwhile."""
         self.rounds, self.slices, self.k, self.min_members, self.listen_s = rounds, slices, k, min_members, listen_s
@@ -119,8 +121,12 @@ class Swarm:
                 state = h("state", new)
                 self.states.add((new, state))
                 self.history[name][e.round] = new
-                self.local(name, Applied(round=e.round, weights_hash=new, state_hash=state,
-                                         state_manifest=h("m", new), eval_loss=1.0))
+                applied = Applied(round=e.round, weights_hash=new, state_hash=state, state_manifest=h("m", new),
+                                  eval_loss=1.0)
+                if self.apply_s.get(name):
+                    heapq.heappush(self.later, (self.now + self.apply_s[name], next(self._seq), name, applied))
+                else:
+                    self.local(name, applied)
             elif isinstance(e, FetchState):
                 reachable = [s for s in e.sources if s.peer_id not in self.dead
                              and self.group[s.peer_id] == self.group[name]]

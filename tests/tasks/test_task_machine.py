@@ -94,6 +94,22 @@ def test_a_late_joiner_whose_fetch_outlasts_rounds_follows_the_buffered_rounds_a
     assert trained and max(trained) == 15, trained
 
 
+def test_a_joiner_that_follows_slower_than_the_rounds_keeps_its_declared_round_and_trains():
+    # Applying a followed round takes the joiner longer than a round takes the swarm: it is overtaken
+    # while it follows, fetches the weights of the round it declared, and trains from there; declaring
+    # a later round at each fetch would leave it following, and behind, to the end.
+    sim = Swarm(["a", "b", "c"], rounds=16)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.apply_s["e"] = 2.5 * TRAIN_S
+    sim.add("e")
+    sim.run_until(sim.all_done, 300)
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+    joins = sim.join_msgs("e")
+    trained = {e.round for n, e in sim.events if n == "e" and type(e).__name__ == "Train"}
+    assert len(joins) == 1 and trained and min(trained) == joins[0].round, (joins, trained)
+    assert max(trained) == 15
+
+
 def test_a_restarted_node_counts_from_the_round_it_resumes_and_nothing_waits_out_a_deadline():
     sim = Swarm(["a", "b", "c", "d"], rounds=10, min_members=3)
     sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
