@@ -33,6 +33,9 @@ HELLO_PROTOCOL = "/shoal/hello/1"
 MAX_ANNOUNCE_BYTES = 16 * 1024
 HELLO_TIMEOUT_S = 5.0
 MAX_REDIAL_BACKOFF_S = 30.0
+RECENT_REDIAL_BACKOFF_S = 4.0
+RECENT_PEER_S = 300.0
+"""Peers heard from within this long are redialled at most RECENT_REDIAL_BACKOFF_S apart."""
 RELAY_BUDGET_FACTOR = 10
 """A connection may relay this many times one origin's gossip budget."""
 
@@ -188,11 +191,21 @@ class Membership:
                 self.traffic.messages_out[ANNOUNCE_TOPIC] += 1
             except TransportError as exc:
                 log.debug("announcement not published: %s", exc)
-            for change in self.table.tick(trio.current_time()):
+            now = trio.current_time()
+            for change in self.table.tick(now):
                 level = logging.WARNING if change.new is PeerState.DEAD else logging.INFO
                 log.log(level, "peer %s: %s -> %s", change.peer_id, change.old.value, change.new.value)
+                if change.new is PeerState.DEAD:
+                    # A cut link leaves its TCP connections open but silent, and the host would keep
+                    # opening streams on them (and never redial): drop it, and redial from the start.
+                    self._next_dial_at[change.peer_id] = (now, self.config.heartbeat_interval_s)
+                    self._nursery.start_soon(self._drop_connection, change.peer_id)
             self._redial_known_peers()
             await trio.sleep(self.config.heartbeat_interval_s)
+
+    async def _drop_connection(self, peer_id: str) -> None:
+        with trio.move_on_after(self.config.dial_timeout_s):
+            await self.host.disconnect(peer_id)
 
     async def _disconnect_banned(self) -> None:
         """Disconnect each banned peer and have the host refuse it (connections, streams, gossip) while banned."""
@@ -290,7 +303,10 @@ class Membership:
             not_before, backoff_s = self._next_dial_at.get(peer_id, (0.0, self.config.heartbeat_interval_s))
             if now < not_before or not record.announce.addrs:
                 continue
-            self._next_dial_at[peer_id] = (now + backoff_s, min(backoff_s * 2, MAX_REDIAL_BACKOFF_S))
+            # A peer heard from lately (a partition, a restart) is retried every few seconds, so a
+            # healed link is used again within moments; long-gone peers back off to MAX_REDIAL_BACKOFF_S.
+            cap_s = RECENT_REDIAL_BACKOFF_S if now - record.last_seen < RECENT_PEER_S else MAX_REDIAL_BACKOFF_S
+            self._next_dial_at[peer_id] = (now + backoff_s, min(backoff_s * 2, cap_s))
             self._dialing.add(peer_id)
             budget -= 1
             self._nursery.start_soon(self._dial_peer, peer_id, record.announce.addrs)

@@ -199,6 +199,8 @@ class RoundClosed:
     num_disagree: int
     members: int
     work: int
+    failed: bool = False
+    """No aggregate for some slice: the round kept θ_r."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -814,7 +816,7 @@ class TaskMachine:
                                  for p, w in sorted(voters.items()) if w.weights_hash != winner]
         closed = RoundClosed(round=rec.index, weights_hash=winner, agreed=winner == rec.mine.weights_hash,
                              num_agree=num_for, num_disagree=num_against, members=len(rec.members),
-                             work=rec.mine.work)
+                             work=rec.mine.work, failed=not rec.chosen)
         effects.append(closed)
         if closed.agreed:
             return effects + self._begin(now)
