@@ -196,16 +196,25 @@ class Membership:
                 level = logging.WARNING if change.new is PeerState.DEAD else logging.INFO
                 log.log(level, "peer %s: %s -> %s", change.peer_id, change.old.value, change.new.value)
                 if change.new is PeerState.DEAD:
-                    # A cut link leaves its TCP connections open but silent, and the host would keep
-                    # opening streams on them (and never redial): drop it, and redial from the start.
                     self._next_dial_at[change.peer_id] = (now, self.config.heartbeat_interval_s)
-                    self._nursery.start_soon(self._drop_connection, change.peer_id)
+                    self._nursery.start_soon(self._probe_connection, change.peer_id)
             self._redial_known_peers()
             await trio.sleep(self.config.heartbeat_interval_s)
 
-    async def _drop_connection(self, peer_id: str) -> None:
-        with trio.move_on_after(self.config.dial_timeout_s):
-            await self.host.disconnect(peer_id)
+    async def _probe_connection(self, peer_id: str) -> None:
+        """A peer went silent: say hello over its connection, and drop the connection if no answer comes.
+
+        A cut link leaves its TCP connections open but silent; the host would keep opening streams
+        on them (each shard fetch waits out its timeout) and never redial. A peer that is only slow
+        answers the hello and stays connected."""
+        if peer_id not in self.host.connected_peers():
+            return
+        await self.hello(peer_id)
+        record = self.table.peers.get(peer_id)
+        if record is not None and record.state is PeerState.DEAD:
+            log.info("peer %s does not answer on its connection; dropping it and redialling", peer_id)
+            with trio.move_on_after(self.config.dial_timeout_s):
+                await self.host.disconnect(peer_id)
 
     async def _disconnect_banned(self) -> None:
         """Disconnect each banned peer and have the host refuse it (connections, streams, gossip) while banned."""

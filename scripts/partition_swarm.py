@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -172,8 +173,13 @@ def main() -> int:
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="shoal-partition-") as tmp:
-        report = run(Path(tmp), rounds=args.rounds, inner_steps=args.inner_steps, cut_s=args.cut_s)
+    work_dir = Path(tempfile.mkdtemp(prefix="shoal-partition-"))
+    try:
+        report = run(work_dir, rounds=args.rounds, inner_steps=args.inner_steps, cut_s=args.cut_s)
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"error: {exc}\nthe nodes' logs are in {work_dir}", file=sys.stderr)
+        return 1
+    shutil.rmtree(work_dir, ignore_errors=True)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:

@@ -1,0 +1,21 @@
+"""Four nodes in netlab hosts: one host cut off for 30 s, then a 2-1-1 split; the swarm keeps one history."""
+
+import pytest
+
+from scripts.partition_swarm import run
+
+pytestmark = [pytest.mark.netlab, pytest.mark.slow]
+
+
+@pytest.mark.timeout(600)
+def test_a_cut_host_and_a_two_one_one_split_heal_to_one_history(netlab_session, tmp_path):
+    report = run(tmp_path, rounds=24, inner_steps=20, cut_s=30.0)
+    assert report["hashes_agree"], report["verdict"]
+    for part in (report["one_cut"], report["two_one_one"]):
+        # No side below min_members produces a round.
+        assert part["rounds_closed_below_min_members"] == 0, part
+        # Within 2 rounds of the heal every node holds the same weights, and no later round waits
+        # out its deadline or fails.
+        assert part["rounds_to_one_hash"] <= 2, part
+        assert part["slowest_round_after_heal_s"] < report["round_deadline_s"], part
+        assert part["rounds_failed_after_heal"] == 0, part
