@@ -131,10 +131,17 @@ class Libp2pHost:
         return peer_id
 
     async def disconnect(self, peer_id: str) -> None:
+        pid = _to_id(peer_id)
         try:
-            await self._host.disconnect(_to_id(peer_id))
+            await self._host.disconnect(pid)
         except _STREAM_ERRORS as exc:
             logger.debug("disconnect from %s: %r", peer_id, exc)
+        # Pubsub forgets a peer only if its dead-peer task finds no connection left, and it looks
+        # before the swarm has dropped the closed ones: the peer's stale stream then stays
+        # registered, a reconnection is "already" registered, no subscriptions are exchanged
+        # and gossip to and from it is queued for good. Forget it here once it is gone.
+        if pid in self._pubsub.peers and not self._host.get_network().get_connections(pid):
+            self._pubsub._handle_dead_peer(pid)
 
     def connected_peers(self) -> list[str]:
         return [str(pid) for pid in self._host.get_connected_peers()]

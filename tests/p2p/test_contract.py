@@ -194,6 +194,31 @@ async def test_gossip_crosses_a_line_of_three_hosts(swarm):
             await wait_until(lambda: c.statistics().gossip_received == 1)
 
 
+async def test_gossip_flows_again_after_a_disconnect_and_a_redial(swarm):
+    # A dropped peer that comes back must be registered with gossip afresh: a stale registration
+    # would leave the new connection without subscriptions, and every publish queued for good.
+    with trio.fail_after(60):
+        async with swarm.hosts(2) as (a, b):
+            ra, rb = await subscribe_line([a, b])
+            for attempt in range(3):
+                await a.disconnect(b.peer_id)
+                await wait_until(lambda: b.peer_id not in a.connected_peers() and a.peer_id not in b.connected_peers())
+                await connect(a, b)
+                await a.wait_for_topic_peer(TOPIC, b.peer_id)
+                await b.wait_for_topic_peer(TOPIC, a.peer_id)
+                body = f"after redial {attempt}".encode()
+                with trio.fail_after(10):
+                    while True:  # the mesh may need a heartbeat to take the peer back
+                        await a.publish(TOPIC, body)
+                        with trio.move_on_after(1.0):
+                            got = await rb.receive()
+                            assert got.data == body
+                            break
+                await b.publish(TOPIC, body)
+                with trio.fail_after(10):
+                    assert (await ra.receive()).data == body
+
+
 async def test_a_validator_rejects_and_stops_relaying(swarm):
     def refuse_bad(msg: GossipMessage) -> bool:
         return not msg.data.startswith(b"bad")
