@@ -138,6 +138,8 @@ def task_samples(node) -> Iterable[Sample]:
                    task, sum(a.get("train_s", 0.0) for a in rounds) / round_s)
         yield ("shoal_task_train_seconds_total", "counter", "Seconds the trainer child trained", task,
                t.get("train_seconds", 0.0))
+        yield ("shoal_task_trainer_restarts_total", "counter", "Times the trainer child died and was restarted",
+               task, t.get("trainer_restarts", 0))
         outcomes = {"agreed": 0, "dissent": 0, "caught_up": 0}
         for a in rounds:
             outcomes["caught_up" if a.get("caught_up") else "agreed" if a.get("agreed") else "dissent"] += 1

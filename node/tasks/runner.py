@@ -37,6 +37,8 @@ MAX_TASK_MESSAGE_BYTES = 64 * 1024
 MAX_DISSENTS = 32
 MAX_STATUS_ROUNDS = 200
 """Per-round history kept in /status: enough for dashboards and the swarm launcher, bounded for long tasks."""
+MAX_TRAINER_RESTARTS = 3
+TRAINER_RESTART_WINDOW_S = 600.0
 EVENT_QUEUE = 1024
 
 
@@ -79,6 +81,12 @@ class TaskRunner:
         self._history_lock = trio.Lock()
         self.train_s = 0.0
         """Seconds the trainer child reported training, all rounds together."""
+        self.trainer = None
+        """The trainer child while the task trains (None before it starts and once the task is done)."""
+        self.trainer_restarts = 0
+        self._trainer_generation = 0
+        self._restart_lock = trio.Lock()
+        self._restarted_at: list[float] = []
         self.rounds_s = 0.0
         """Wall seconds of the rounds this node took part in, from round start to the weights verdict."""
 
@@ -99,6 +107,8 @@ class TaskRunner:
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
             "dropped": m["dropped"],
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
+            "trainer_pid": self.trainer.pid if self.trainer is not None else None,
+            "trainer_restarts": self.trainer_restarts,
         }
 
     def _set_phase(self) -> None:
@@ -271,17 +281,53 @@ class TaskRunner:
         self._set_phase()
 
     async def _work(self, fn, effect) -> None:
-        """Run one piece of work; its result (or the trainer's failure) goes back to the machine as an event."""
-        try:
-            event = await fn(effect)
-        except (TrainerCrashed, TrainerRequestFailed) as exc:
-            event = WorkFailed(reason=str(exc))
-        except TaskRejected as exc:
-            self.phase, self.detail = "declined", str(exc)
-            log.warning("task %s declined: %s", self.tid[:12], exc)
-            event = WorkFailed(reason=str(exc))
+        """Run one piece of work; its result (or the trainer's failure) goes back to the machine as an event.
+
+        A trainer child that dies (killed for memory, a crash in torch) is restarted and the work
+        done again, up to MAX_TRAINER_RESTARTS in TRAINER_RESTART_WINDOW_S; only then does the task fail."""
+        while True:
+            generation = self._trainer_generation
+            try:
+                event = await fn(effect)
+            except TrainerCrashed as exc:
+                if await self._restart_trainer(generation, exc):
+                    continue
+                event = WorkFailed(reason=str(exc))
+            except TrainerRequestFailed as exc:
+                event = WorkFailed(reason=str(exc))
+            except TaskRejected as exc:
+                self.phase, self.detail = "declined", str(exc)
+                log.warning("task %s declined: %s", self.tid[:12], exc)
+                event = WorkFailed(reason=str(exc))
+            break
         if event is not None:
             await self._send.send(event)
+
+    async def _restart_trainer(self, generation: int, exc: TrainerCrashed) -> bool:
+        """Start a fresh trainer child (once for all the work the crash interrupted); False when the
+        restart budget is spent or the new child fails too."""
+        async with self._restart_lock:
+            if self._trainer_generation != generation:
+                return True  # another piece of work already restarted it
+            now = trio.current_time()
+            self._restarted_at = [t for t in self._restarted_at if now - t < TRAINER_RESTART_WINDOW_S]
+            if self.trainer is None or len(self._restarted_at) >= MAX_TRAINER_RESTARTS:
+                log.error("task %s: %s; not restarting it again (%d restarts in %.0f s)", self.tid[:12], exc,
+                          len(self._restarted_at), TRAINER_RESTART_WINDOW_S)
+                return False
+            self._restarted_at.append(now)
+            log.warning("task %s: %s; restarting the trainer", self.tid[:12], exc)
+            try:
+                await self.trainer.restart()
+                check_trainer(self.spec, await self.trainer.ping())
+                if self.hf is not None:
+                    await self.hf.setup(self.trainer)
+            except (TrainerCrashed, TrainerRequestFailed) as again:
+                log.error("task %s: the restarted trainer failed too: %s", self.tid[:12], again)
+                return False
+            self.trainer_restarts += 1
+            self._trainer_generation += 1
+            return True
 
     async def _produce(self, job: Train) -> Trained:
         """Train from θ_r, then publish Δ's int8 slices over SHARDCAST."""

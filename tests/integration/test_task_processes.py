@@ -2,6 +2,7 @@
 does not stop the others, and a restarted node resumes from its data dir."""
 
 import json
+import os
 import signal
 import time
 
@@ -112,4 +113,26 @@ def test_a_sigkilled_node_does_not_stop_the_others_and_resumes_from_its_checkpoi
     assert set(report["task"]["phases"].values()) == {"finished"}
     assert victim.status["task"]["id"] == run.task_id
     assert victim.status["task"]["weights_hash"] == survivors[0].status["task"]["weights_hash"]
+    assert all(n.exit_code == 0 for n in swarm.nodes)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_trainer_child_is_restarted_and_the_task_goes_on(tmp_path):
+    swarm = Swarm(3, tmp_path, env=ENV)
+    try:
+        run = started(swarm, rounds=6)
+        victim = swarm.nodes[1]
+        wait_for(lambda: (run.mine(victim).get("round") or 0) >= 2 and run.mine(victim).get("trainer_pid"), 90,
+                 "the victim reaches round 2", swarm)
+        pid = run.mine(victim)["trainer_pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: (run.mine(victim).get("trainer_restarts") or 0) >= 1, 60, "the trainer is restarted", swarm)
+        assert run.mine(victim)["trainer_pid"] != pid
+        wait_for(run.done, 150, "every node finishes", swarm)
+        run.collect()
+    finally:
+        swarm.stop()
+    report = run.report()
+    assert run.ok(report)[0], run.ok(report)
+    assert victim.status["task"]["trainer_restarts"] == 1
     assert all(n.exit_code == 0 for n in swarm.nodes)
