@@ -56,6 +56,9 @@ MAX_PENDING_FORWARDERS = 4096
 """Validated messages whose forwarder we remember until the subscription consumer picks them up."""
 
 # Errors a libp2p stream raises once its stream or connection is gone (EOF is handled separately).
+DISCONNECT_TIMEOUT_S = 2.0
+"""How long a disconnect waits for libp2p's orderly close before it closes the socket itself."""
+
 class _DirectDelivery:
     """Stands in for libp2p's per-topic subscription channel, whose only use is send_nowait()."""
 
@@ -132,10 +135,22 @@ class Libp2pHost:
 
     async def disconnect(self, peer_id: str) -> None:
         pid = _to_id(peer_id)
-        try:
-            await self._host.disconnect(pid)
-        except _STREAM_ERRORS as exc:
-            logger.debug("disconnect from %s: %r", peer_id, exc)
+        network = self._host.get_network()
+        with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+            try:
+                await self._host.disconnect(pid)
+            except _STREAM_ERRORS as exc:
+                logger.debug("disconnect from %s: %r", peer_id, exc)
+        # Over a cut link yamux's close waits for its GO_AWAY to drain, which it never does, and
+        # the swarm keeps listing the connection: the peer looks connected, is never redialled,
+        # and streams to it wait out their timeouts. Close the socket under it and forget it.
+        for conn in list(network.get_connections(pid)):
+            with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                try:
+                    await conn.muxed_conn.secured_conn.close()
+                except Exception as exc:  # whatever a half-dead transport raises; it is being dropped
+                    logger.debug("closing the socket to %s: %r", peer_id, exc)
+            network.remove_conn(conn)
         # Pubsub forgets a peer only if its dead-peer task finds no connection left, and it looks
         # before the swarm has dropped the closed ones: the peer's stale stream then stays
         # registered, a reconnection is "already" registered, no subscriptions are exchanged
