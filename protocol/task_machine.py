@@ -456,6 +456,13 @@ class TaskMachine:
             else:
                 self._zero_joins.discard(msg.peer_id)
         self._heard_now(msg.peer_id, now)
+        rec = self.rounds_seen.get(msg.round)
+        if msg.round == self.current and rec is not None and rec.phase is Phase.COLLECTING \
+                and rec.my_update is not None:
+            # A node (re)started into the round we collect missed the updates gossiped before it came
+            # back: without them it can never close the round, and every member would wait out the
+            # vote for it. Ours again, once per join, lets it close the round with us.
+            return [Publish(rec.my_update), *self.tick(now)]
         return self.tick(now)
 
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:

@@ -236,3 +236,17 @@ def test_a_thousand_nodes_with_joins_deaths_restarts_and_a_healing_partition_agr
     churn(sim, names, rng=random.Random(2), joins=20, kills=30, restarts=10, split_share=0.3)
     closed = [e for _, e in sim.closed if isinstance(e, RoundClosed)]
     assert max(e.members for e in closed) >= 1000
+
+
+def test_a_member_republishes_its_update_when_a_node_joins_the_round_it_collects():
+    from protocol.task import TaskJoin
+    from protocol.task_machine import Publish
+    sim = Swarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 2, 60)
+    sim.kill("d")  # a member that never publishes: the others collect, waiting for it
+    m = sim.machines["a"]
+    sim.run_until(lambda: m.rounds_seen[m.current].phase is Phase.COLLECTING, 30, step_s=0.1)
+    rec = m.rounds_seen[m.current]
+    effects = m.handle(TaskJoin(task_id=TASK, peer_id="d", round=m.current), sim.now)
+    assert Publish(rec.my_update) in effects
+    # The joiner, restarted into the round, missed it: without it, it could never close the round with us.
