@@ -286,6 +286,8 @@ class TaskMachine:
     """The round of the weights being fetched: the message window follows it while syncing."""
     _now: float = float("-inf")
     """The latest ``now`` the caller passed in (next_deadline takes none)."""
+    _resumed: bool = False
+    """Started from its own checkpoint and has not opened a round since."""
 
     # -- the tables ------------------------------------------------------------------------------
 
@@ -393,6 +395,7 @@ class TaskMachine:
         self.detail = "listening for the swarm's weights"
         if saved is None:
             return self._begin(now)
+        self._resumed = True
         # Counted from the round it resumes: peers stop waiting for an older incarnation's update.
         return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=saved.round)), *self._begin(now)]
 
@@ -660,7 +663,8 @@ class TaskMachine:
             return [] if was is Stage.DONE else [Finished(self.head.round)]
         effects: list[Effect] = []
         if self.stage is Stage.LISTENING:
-            peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items() if self.live(p, now))
+            peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items()
+                              if self.live(p, now)) or self._underway(self.head.round) >= self.min_members
             if now < self._listen_until and not peers_agree:
                 return []  # a restarted node listens for a better history before it resumes its own
         r = self.head.round
@@ -716,11 +720,26 @@ class TaskMachine:
             self.dropped["wrong_base"] += 1
         self._members_cache.pop(r, None)
         self.detail = ""
+        effects: list[Effect] = []
+        if self._resumed and rec.producing and self._underway(r) >= self.min_members:
+            # Restarted into a round the others have already trained (they closed it without us or
+            # would wait for our whole retraining): follow it and produce from the next one. Counted
+            # from the round we actually resume, nobody waits for us; below min_members they need us.
+            self.produce_from, rec.producing = r + 1, False
+            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r + 1)))
+        self._resumed = False
         if rec.producing:
             self._move(rec, "train")
             return [Train(r, self.head.weights_hash, tuple(self.members(rec, now))), *self._advance(rec, now)]
         self._move(rec, "follow")
-        return self._advance(rec, now)
+        return effects + self._advance(rec, now)
+
+    def _underway(self, r: int) -> int:
+        """Peers' updates for round r from our weights already seen: the round is trained without us."""
+        rec = self.rounds_seen.get(r)
+        if rec is None or self.head is None:
+            return 0
+        return sum(1 for p, u in rec.updates.items() if p != self.self_id and u.base_hash == self.head.weights_hash)
 
     def _overtaken(self, rec: RoundState, now: float) -> list[Effect]:
         """The swarm closed this round without us (we were slow, cut off or restarted): take its weights."""

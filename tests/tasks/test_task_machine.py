@@ -238,6 +238,37 @@ def test_a_thousand_nodes_with_joins_deaths_restarts_and_a_healing_partition_agr
     assert max(e.members for e in closed) >= 1000
 
 
+class TimedSwarm(Swarm):
+    """The simulation, with the time each round first closed anywhere."""
+
+    def __init__(self, *args, **kwargs):
+        self.closed_at: dict[int, float] = {}
+        super().__init__(*args, **kwargs)
+
+    def handle(self, name, effects) -> None:
+        effects = list(effects)
+        for e in effects:
+            if isinstance(e, RoundClosed):
+                self.closed_at.setdefault(e.round, self.now)
+        super().handle(name, effects)
+
+
+def killed_after_the_others_trained(sim, victim: str) -> int:
+    """Kill ``victim`` just before it would publish its update of a round, let the others publish
+    theirs, restart it within the quiet window (its peers still count it), and return the round."""
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+    m = sim.machines["a"]
+    sim.run_until(lambda: m.rounds_seen[m.current].phase is Phase.TRAINING, 30, step_s=0.05)
+    r = m.current
+    sim.advance(TRAIN_S - 0.2)
+    sim.kill(victim)
+    sim.advance(0.4)
+    assert len(m.rounds_seen[r].updates) == len(sim.machines) - 1 and victim not in m.rounds_seen[r].updates
+    sim.advance(QUIET_S / 4)
+    sim.restart(victim)
+    return r
+
+
 def test_a_member_republishes_its_update_when_a_node_joins_the_round_it_collects():
     from protocol.task import TaskJoin
     from protocol.task_machine import Publish
@@ -250,3 +281,51 @@ def test_a_member_republishes_its_update_when_a_node_joins_the_round_it_collects
     effects = m.handle(TaskJoin(task_id=TASK, peer_id="d", round=m.current), sim.now)
     assert Publish(rec.my_update) in effects
     # The joiner, restarted into the round, missed it: without it, it could never close the round with us.
+
+
+def test_a_node_restarted_into_a_round_the_others_trained_follows_it_and_nobody_waits_for_it():
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+    r = killed_after_the_others_trained(sim, "d")
+    sim.run_until(lambda: r in sim.closed_at, 30, step_s=0.1)
+    assert sim.closed_at[r] - sim.closed_at[r - 1] <= TRAIN_S + QUIET_S, "the round waited for d's retraining"
+    trained = {e.round for n, e in sim.events if n == "d" and type(e).__name__ == "Train"}
+    assert r + 1 in trained and max(j.round for j in sim.join_msgs("d")) == r + 1
+    sim.run_until(sim.all_done, 120)
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+    assert not [e for _, e in sim.events if isinstance(e, Apply) and not e.chosen]
+
+
+def test_a_node_restarted_into_a_round_that_needs_it_trains_it_again():
+    # Below min_members without it, the round cannot close: it counts from the round it resumes.
+    sim = TimedSwarm(["a", "b", "c"], rounds=10, min_members=3)
+    r = killed_after_the_others_trained(sim, "c")
+    sim.run_until(lambda: r in sim.closed_at, 30, step_s=0.1)
+    trained = {e.round for n, e in sim.events if n == "c" and type(e).__name__ == "Train"}
+    assert r in trained
+    sim.run_until(sim.all_done, 120)
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+
+
+def test_a_node_killed_and_restarted_every_ten_to_fifteen_seconds_never_stalls_a_round():
+    """scripts/chaos_swarm.py in the simulation: no round fails, none waits past one quiet window."""
+    import random
+    names = ["a", "b", "c", "d"]
+    for seed in range(3):
+        rng = random.Random(seed)
+        sim = TimedSwarm(names, rounds=400, min_members=3)
+        sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+        for _ in range(12):
+            sim.advance(rng.uniform(10.0, 15.0))
+            victim = rng.choice(names)
+            sim.kill(victim)
+            sim.advance(2.0)  # the process starts again: imports, the trainer, the data dir
+            sim.restart(victim)
+        sim.advance(30.0)
+        failed = [(n, e.round) for n, e in sim.events if isinstance(e, Apply) and not e.chosen]
+        assert not failed, f"seed {seed}: rounds failed {failed}"
+        assert not sim.disagreements(), seed
+        closed = sim.closed_at
+        gaps = {r: closed[r] - closed[r - 1] for r in sorted(closed) if r - 1 in closed and r > 3}
+        # A quiet round is TRAIN_S; a member that died is waited for one quiet window at most.
+        slow = {r: round(g, 2) for r, g in gaps.items() if g > TRAIN_S + QUIET_S + HEARTBEAT_S}
+        assert not slow, f"seed {seed}: rounds over a quiet round plus one heartbeat window: {slow}"
