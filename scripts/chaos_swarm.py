@@ -121,6 +121,9 @@ class Chaos:
         self.run = TaskRun(self.swarm, self.fields)
         self.swarm.task_id = self.run.publish()
         log(f"published the chaos task {self.swarm.task_id[:16]}: {rounds} rounds", self.started)
+        # The kills start once every node trains the task: a kill before it joined tests start-up, not churn.
+        if not self.wait(lambda: all(self.in_round(n) for n in self.swarm.nodes), STARTUP_S):
+            raise RuntimeError(f"the chaos task did not start on every node: {self.run.stopped() or 'timed out'}")
         self.chaos_started_round = self.swarm_round()
         self.chaos(time.monotonic() + 60.0 * args.minutes)
         self.chaos_ended_round = self.swarm_round()
@@ -140,6 +143,8 @@ class Chaos:
         if not self.wait(self.run.done, args.quiet_rounds * PHASES_PER_ROUND * self.spec.round_deadline_s + STARTUP_S):
             raise RuntimeError(f"the quiet task did not finish: {self.run.stopped() or 'timed out'}")
         self.run.collect()
+        # Cancelled, so a node restarted during the chaos does not resume it (and start its trainer) too.
+        self.swarm.nodes[0].call("/task/cancel", {"id": self.run.task_id, "reason": "the quiet rounds are timed"})
         gaps = [g["seconds"] for g in self.gaps(self.close_times())]
         if not gaps:
             raise RuntimeError("the quiet task closed too few rounds to time one")
@@ -164,7 +169,9 @@ class Chaos:
         max_kills = math.ceil(60.0 * args.minutes / KILL_EVERY_S[0]) + 1
         last_round = self.spec.rounds - args.tail_rounds
         while len(self.kills) < max_kills:
-            if not self.wait(lambda: time.monotonic() >= next_kill or self.swarm_round() >= last_round,
+            # One node down at a time: the next kill waits for the last victim to be back in a round.
+            back = (lambda: True) if not self.kills else (lambda: self.in_round(self.swarm.nodes[self.kills[-1]["node"]]))
+            if not self.wait(lambda: (time.monotonic() >= next_kill and back()) or self.swarm_round() >= last_round,
                              max(0.0, until - time.monotonic())):
                 break
             if time.monotonic() >= until or self.swarm_round() >= last_round or self.run.stopped():
