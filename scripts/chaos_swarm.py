@@ -267,6 +267,10 @@ class Chaos:
             for m in FAILED_LINE.finditer(text):
                 if m.group(1) == task_id[:12]:
                     failed.setdefault(int(m.group(2)), []).append({"node": node.index, "reason": m.group(3)})
+        for peer, status in self.run.final.items():  # and what the nodes' rows say
+            for row in (status.get("task") or {}).get("agreement", []):
+                if row.get("failed") and not any(f.get("peer") == peer for f in failed.get(row["round"], [])):
+                    failed.setdefault(row["round"], []).append({"peer": peer, "reason": "row marked failed"})
         return [{"round": r, "on": failed[r]} for r in sorted(failed)]
 
 
