@@ -435,6 +435,8 @@ class TaskMachine:
                 waited = [p for p in self._members_cache.get(rec.index, ([], ()))[0] if p not in rec.updates]
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
+                if rec.republish_at is not None:
+                    times.append(rec.republish_at)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
             elif rec.phase is Phase.VOTING:
                 times.append(rec.applied_at + self.round_deadline_s)
@@ -770,17 +772,14 @@ class TaskMachine:
         # The length test first keeps a 1,000-member round linear in its messages.
         everyone = len(rec.updates) >= len(members) and all(p in rec.updates for p in members)
         if not everyone and now < rec.started_at + self.round_deadline_s:
-            return []
+            # A gossip message lost on a loaded link would leave a live member waiting out the
+            # deadline for an update that was sent: while we wait, ours goes out again every quiet window.
+            return self._regossip(rec, now)
         if len(rec.updates) < self.min_members:
             # Below min_members this side of a partition produces no round: it waits, and keeps its
             # update in the air so the round can close the moment the others are back.
             self.detail = f"round {rec.index}: {len(rec.updates)}/{self.min_members} updates, waiting for members"
-            if rec.my_update is not None and (rec.republish_at is None or now >= rec.republish_at):
-                first = rec.republish_at is None
-                rec.republish_at = now + self.quiet_after_s
-                if not first:
-                    return [Publish(rec.my_update)]
-            return []
+            return self._regossip(rec, now)
         self._move(rec, "collected")
         self.detail = ""
         rec.collected_at = now
@@ -793,6 +792,17 @@ class TaskMachine:
             if self.self_id in rec.aggregators[s]:
                 effects.append(Aggregate(rec.index, s, updates))
         return effects + self._check_gather(rec, now)
+
+    def _regossip(self, rec: RoundState, now: float) -> list[Effect]:
+        """Our update (and our aggregates) again, a quiet window after the update first went out and every window after."""
+        if rec.my_update is None or (rec.republish_at is not None and now < rec.republish_at):
+            return []
+        first = rec.republish_at is None
+        rec.republish_at = now + self.quiet_after_s
+        if first:
+            return []
+        mine = [a[self.self_id] for _, a in sorted(rec.aggregates.items()) if self.self_id in a]
+        return [Publish(rec.my_update), *(Publish(m) for m in mine)]
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
@@ -812,7 +822,8 @@ class TaskMachine:
                     a not in got and self.live(a, now) for a in expected):
                 complete = False
         if not complete and now < rec.collected_at + self.round_deadline_s:
-            return []
+            # An aggregator still collecting may have lost our update, and a member our aggregate.
+            return self._regossip(rec, now)
         self._move(rec, "gathered")
         if len(chosen) < self.num_slices:
             rec.chosen = ()

@@ -243,6 +243,7 @@ class TimedSwarm(Swarm):
 
     def __init__(self, *args, **kwargs):
         self.closed_at: dict[int, float] = {}
+        self.closed_by: dict[tuple[str, int], float] = {}
         super().__init__(*args, **kwargs)
 
     def handle(self, name, effects) -> None:
@@ -250,6 +251,7 @@ class TimedSwarm(Swarm):
         for e in effects:
             if isinstance(e, RoundClosed):
                 self.closed_at.setdefault(e.round, self.now)
+                self.closed_by.setdefault((name, e.round), self.now)
         super().handle(name, effects)
 
 
@@ -329,3 +331,33 @@ def test_a_node_killed_and_restarted_every_ten_to_fifteen_seconds_never_stalls_a
         # A quiet round is TRAIN_S; a member that died is waited for one quiet window at most.
         slow = {r: round(g, 2) for r, g in gaps.items() if g > TRAIN_S + QUIET_S + HEARTBEAT_S}
         assert not slow, f"seed {seed}: rounds over a quiet round plus one heartbeat window: {slow}"
+
+
+class LossySwarm(TimedSwarm):
+    """Gossip that loses one message: ``lose`` = (sender, message type, round, receiver), dropped once."""
+
+    def __init__(self, *args, lose, **kwargs):
+        self.lose = lose
+        super().__init__(*args, **kwargs)
+
+    def broadcast(self, sender, msg) -> None:
+        if self.lose and (sender, type(msg).__name__, getattr(msg, "round", None)) == self.lose[:3]:
+            receiver, self.lose = self.lose[3], None
+            to = [n for n in self.machines if n not in (sender, receiver)]
+            self.queue.append(("msg", sender, msg, self.group[sender], to))
+            return
+        super().broadcast(sender, msg)
+
+
+def test_an_update_lost_on_the_way_to_one_member_is_sent_again_within_a_quiet_window():
+    names = ["a", "b", "c", "d"]
+    agg = aggregators(TASK, 2, 0, names, 1)[0]  # the only aggregator of round 2: everyone waits for it
+    sender = next(n for n in names if n != agg)
+    sim = LossySwarm(names, rounds=4, slices=1, k=1, min_members=3, lose=(sender, "UpdateAnnounce", 2, agg))
+    sim.run_until(sim.all_done, 4 * DEADLINE_S)
+    assert sim.lose is None
+    # Round 2 closes within a quiet window of a normal round, not at the round deadline: the
+    # aggregator got the lost update again.
+    closed = [sim.closed_by[(n, 2)] - sim.closed_by[(n, 1)] for n in names]
+    assert max(closed) <= TRAIN_S + QUIET_S + HEARTBEAT_S, "the aggregator waited out the deadline for a lost update"
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
