@@ -299,6 +299,8 @@ class TaskMachine:
     """The round of the weights being fetched: the message window follows it while syncing."""
     _now: float = float("-inf")
     """The latest ``now`` the caller passed in (next_deadline takes none)."""
+    _resumed: bool = False
+    """Started from its own checkpoint and has not opened a round since."""
 
     # -- the tables ------------------------------------------------------------------------------
 
@@ -466,6 +468,7 @@ class TaskMachine:
         self.detail = "listening for the swarm's weights"
         if saved is None:
             return self._begin(now)
+        self._resumed = True
         # Counted from the round it resumes: peers stop waiting for an older incarnation's update.
         return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=saved.round)), *self._begin(now)]
 
@@ -508,6 +511,8 @@ class TaskMachine:
                 waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
+                if rec.republish_at is not None:
+                    times.append(rec.republish_at)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
             elif rec.phase is Phase.VOTING:
                 times.append(rec.applied_at + self.round_deadline_s)
@@ -532,6 +537,13 @@ class TaskMachine:
             else:
                 self._zero_joins.discard(msg.peer_id)
         self._heard_now(msg.peer_id, now)
+        rec = self.rounds_seen.get(msg.round)
+        if msg.round == self.current and rec is not None and rec.phase is Phase.COLLECTING \
+                and rec.my_update is not None:
+            # A node (re)started into the round we collect missed the updates gossiped before it came
+            # back: without them it can never close the round, and every member would wait out the
+            # vote for it. Ours again, once per join, lets it close the round with us.
+            return [Publish(rec.my_update), *self.tick(now)]
         return self.tick(now)
 
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
@@ -740,7 +752,8 @@ class TaskMachine:
             return [] if was is Stage.DONE else [Finished(self.head.round)]
         effects: list[Effect] = []
         if self.stage is Stage.LISTENING:
-            peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items() if self.live(p, now))
+            peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items()
+                              if self.live(p, now)) or self._underway(self.head.round) >= self.min_members
             if now < self._listen_until and not peers_agree:
                 return []  # a restarted node listens for a better history before it resumes its own
         r = self.head.round
@@ -796,11 +809,26 @@ class TaskMachine:
             self.dropped["wrong_base"] += 1
         self._members_cache.pop(r, None)
         self.detail = ""
+        effects: list[Effect] = []
+        if self._resumed and rec.producing and self._underway(r) >= self.min_members:
+            # Restarted into a round the others have already trained (they closed it without us or
+            # would wait for our whole retraining): follow it and produce from the next one. Counted
+            # from the round we actually resume, nobody waits for us; below min_members they need us.
+            self.produce_from, rec.producing = r + 1, False
+            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r + 1)))
+        self._resumed = False
         if rec.producing:
             self._move(rec, "train")
             return [Train(r, self.head.weights_hash, tuple(self.members(rec, now))), *self._advance(rec, now)]
         self._move(rec, "follow")
-        return self._advance(rec, now)
+        return effects + self._advance(rec, now)
+
+    def _underway(self, r: int) -> int:
+        """Peers' updates for round r from our weights already seen: the round is trained without us."""
+        rec = self.rounds_seen.get(r)
+        if rec is None or self.head is None:
+            return 0
+        return sum(1 for p, u in rec.updates.items() if p != self.self_id and u.base_hash == self.head.weights_hash)
 
     def _overtaken(self, rec: RoundState, now: float) -> list[Effect]:
         """The swarm closed this round without us (we were slow, cut off or restarted): take its weights."""
@@ -831,17 +859,14 @@ class TaskMachine:
         # The length test first keeps a 1,000-member round linear in its messages.
         everyone = len(rec.updates) >= len(members) and all(p in rec.updates for p in members)
         if not everyone and now < rec.started_at + self.round_deadline_s:
-            return []
+            # A gossip message lost on a loaded link would leave a live member waiting out the
+            # deadline for an update that was sent: while we wait, ours goes out again every quiet window.
+            return self._regossip(rec, now)
         if len(rec.updates) < self.min_members:
             # Below min_members this side of a partition produces no round: it waits, and keeps its
             # update in the air so the round can close the moment the others are back.
             self.detail = f"round {rec.index}: {len(rec.updates)}/{self.min_members} updates, waiting for members"
-            if rec.my_update is not None and (rec.republish_at is None or now >= rec.republish_at):
-                first = rec.republish_at is None
-                rec.republish_at = now + self.quiet_after_s
-                if not first:
-                    return [Publish(rec.my_update)]
-            return []
+            return self._regossip(rec, now)
         self._move(rec, "collected")
         self.detail = ""
         rec.collected_at = now
@@ -854,6 +879,17 @@ class TaskMachine:
             if self.self_id in rec.aggregators[s]:
                 effects.append(Aggregate(rec.index, s, updates))
         return effects + self._check_gather(rec, now)
+
+    def _regossip(self, rec: RoundState, now: float) -> list[Effect]:
+        """Our update (and our aggregates) again, a quiet window after the update first went out and every window after."""
+        if rec.my_update is None or (rec.republish_at is not None and now < rec.republish_at):
+            return []
+        first = rec.republish_at is None
+        rec.republish_at = now + self.quiet_after_s
+        if first:
+            return []
+        mine = [a[self.self_id] for _, a in sorted(rec.aggregates.items()) if self.self_id in a]
+        return [Publish(rec.my_update), *(Publish(m) for m in mine)]
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
@@ -873,7 +909,8 @@ class TaskMachine:
                     a not in got and self.live(a, now) for a in expected):
                 complete = False
         if not complete and now < rec.collected_at + self.round_deadline_s:
-            return []
+            # An aggregator still collecting may have lost our update, and a member our aggregate.
+            return self._regossip(rec, now)
         self._move(rec, "gathered")
         if len(chosen) < self.num_slices:
             rec.chosen = ()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from node.fsutil import write_atomic
+from node.fsutil import fsync_dir, write_atomic
 from node.train.compress import check_int8, decode_int8, encode_int8, encoded_size, tensor_bytes
 from node.train.diloco import (Named, OuterNesterov, flatten, load_named, named_tensors, save_named, unflatten,
                                weights_hash)
@@ -168,28 +169,56 @@ def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_:
 
 # -- checkpoints ---------------------------------------------------------------------------------
 
+PARTS = ("weights", "momentum")
+"""A checkpoint's tensor files, beside its meta.json: <part>.safetensors, and <part>.next.safetensors while saving."""
+
+
 def save_checkpoint(directory: Path, state: OuterState) -> dict:
-    """weights, momentum, then meta.json last (atomic renames): a torn checkpoint never reads as whole."""
+    """Both tensor files as .next, then meta.json (the commit point), then the .next files into place.
+
+    Each write is atomic, but three files are not: a process killed between them would leave new
+    weights beside old momentum and meta, which no longer verify. With meta.json last to commit and
+    the .next files kept until then, load_checkpoint always finds the old or the new checkpoint whole.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    save_named(directory / "weights.safetensors", state.weights)
-    save_named(directory / "momentum.safetensors", state.outer.state_dict())
+    save_named(directory / "weights.next.safetensors", state.weights)
+    save_named(directory / "momentum.next.safetensors", state.outer.state_dict())
     meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash(),
             "work": state.work}
     write_atomic(directory / "meta.json", json.dumps(meta).encode())
+    for part in PARTS:
+        os.replace(directory / f"{part}.next.safetensors", directory / f"{part}.safetensors")
+    fsync_dir(directory)
     return meta
 
 
 def load_checkpoint(directory: Path, spec: TaskSpec) -> OuterState | None:
-    """The last complete checkpoint, or None if there is none or it does not verify."""
+    """The last complete checkpoint, or None if there is none or it does not verify.
+
+    A save interrupted after its meta.json committed is finished here: the .next files that match
+    the meta are moved into place, so the trainer reads the weights the meta names.
+    """
     try:
         meta = json.loads((directory / "meta.json").read_text())
-        weights = load_named(directory / "weights.safetensors")
-        momentum = load_named(directory / "momentum.safetensors")
     except (OSError, ValueError):
         return None
-    outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
-    outer.load_state_dict(momentum)
-    state = OuterState(round=int(meta["round"]), weights=weights, outer=outer, work=int(meta.get("work", 0)))
-    if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
-        return None
-    return state
+    choices = [[name for name in (f"{part}.safetensors", f"{part}.next.safetensors") if (directory / name).exists()]
+               for part in PARTS]
+    for weights_file in choices[0]:
+        for momentum_file in choices[1]:
+            try:
+                weights = load_named(directory / weights_file)
+                momentum = load_named(directory / momentum_file)
+                outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
+                outer.load_state_dict(momentum)
+            except (OSError, ValueError):
+                continue
+            state = OuterState(round=int(meta["round"]), weights=weights, outer=outer, work=int(meta.get("work", 0)))
+            if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
+                continue
+            for part, name in zip(PARTS, (weights_file, momentum_file)):
+                if name != f"{part}.safetensors":
+                    os.replace(directory / name, directory / f"{part}.safetensors")
+            fsync_dir(directory)
+            return state
+    return None

@@ -25,6 +25,11 @@ from protocol.task_machine import Aggregate, Aggregated, Apply
 
 log = logging.getLogger("shoal.tasks")
 
+AGGREGATE_FETCH_SHARE = 0.5
+"""An aggregator fetches producers' slices for at most this share of the round deadline, then combines
+what arrived. Members gather for one round deadline: a producer that announced and then died (a SIGKILL)
+or stalls must cost the slice its contribution, not make the aggregate miss that deadline everywhere."""
+
 
 class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
@@ -82,7 +87,7 @@ class Exchange:
 
     async def aggregate(self, job: Aggregate) -> Aggregated | None:
         """Fetch slice ``job.slice`` from every producer, verify, average and store it (None: nothing arrived)."""
-        numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s
+        numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
         got: dict[str, tuple[bytes, int]] = {}
 
         async def one(update) -> None:

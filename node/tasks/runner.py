@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -402,7 +403,8 @@ class TaskRunner:
                                "peers_agreeing": e.num_agree if e.agreed else None,
                                "eval_loss": round(eval_loss, 4), "members": e.members,
                                "round_s": round(round_s, 2), "train_s": round(self._round_train_s.pop(e.round, 0.0), 2),
-                               **({"failed": True} if e.failed else {})})
+                               # Wall time, so rounds closed on different nodes (or incarnations) line up.
+                               "closed_at": round(time.time(), 3), **({"failed": True} if e.failed else {})})
         self._record_history()
         log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], e.round, eval_loss,
                  e.weights_hash[:16], "agreed" if e.agreed else "re-syncing")
