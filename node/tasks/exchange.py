@@ -15,6 +15,7 @@ from pathlib import Path
 import trio
 
 from node.tasks import compute
+from node.train.diloco import load_named
 from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.keys import Keypair
@@ -73,6 +74,12 @@ class Exchange:
     async def publish_payload(self, data: bytes, label: str) -> str:
         m = await self.shardcast.publish_tensors(compute.payload_tensor(data), label=label)
         return _manifest_hex(m)
+
+    async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
+        """The trainer's Δ for ``round_``, int8-encoded slice by slice and published: one manifest id per slice."""
+        delta = await trio.to_thread.run_sync(load_named, delta_path)
+        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
+        return [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}") for s, p in enumerate(payloads)]
 
     async def publish_state(self, state: compute.OuterState, label: str) -> str:
         m = await self.shardcast.publish_tensors(state.state_tensors(), label=label)
@@ -169,7 +176,6 @@ class Exchange:
         path = self.dir / "init.safetensors"
 
         def load() -> dict:
-            from node.train.diloco import load_named
             self.shardcast.export_file(manifest, path)
             try:
                 return load_named(path)

@@ -20,7 +20,6 @@ from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
-from node.train.diloco import load_named
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
 from protocol.envelope import open_sealed, seal
@@ -334,10 +333,7 @@ class TaskRunner:
         result = await self._train(job.round, list(job.members))
         self._round_train_s[job.round] = result.seconds
         self.train_s += result.seconds
-        delta = await trio.to_thread.run_sync(load_named, result.out_path)
-        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
-        ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{job.round}/u{s}")
-               for s, p in enumerate(payloads)]
+        ids = await self.exchange.publish_update(Path(result.out_path), job.round)
         return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
                        losses=tuple(x for _, x in result.losses[-8:]))
 
