@@ -350,8 +350,9 @@ class TaskRunner:
                        state_manifest=state_id, eval_loss=eval_loss)
 
     async def _hold(self, state: compute.OuterState) -> float:
-        """Make ``state`` this node's: checkpoint it (the trainer reads θ_r from there), then evaluate it."""
-        await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
+        """Make ``state`` this node's: its weights file now (the trainer reads θ_r from there), the rest of the
+        checkpoint in a thread of its own (compute.save_weights), then evaluate it."""
+        await trio.to_thread.run_sync(compute.save_weights, self.dir, state)
         self.state = state
         return await self._evaluate() if self.trainer is not None else float("nan")
 
