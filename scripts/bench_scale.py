@@ -70,6 +70,11 @@ def _receive(store: ShardStore, payload: bytes, label: str, keypair: Keypair) ->
     return signed.manifest_id.hex()
 
 
+def _checkpoint(directory: Path, state: compute.OuterState) -> None:
+    """What the runner's _hold writes before it evaluates and announces (the rest follows in a thread)."""
+    compute.save_weights(directory, state)
+
+
 class Phases:
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -90,7 +95,7 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
     delta = {"w": torch.randn(num_params, generator=gen) * 1e-3}
     theirs = [compute.split_update({"w": torch.randn(num_params, generator=gen) * 1e-3}, slices) for _ in others]
     bounds = compute.slice_bounds(num_params, slices)
-    phases, per_round_s, written = Phases(), [], 0
+    phases, per_round_s, critical_s, written = Phases(), [], [], 0
     async with FakeNetwork().open_host(me) as host, trio.open_nursery() as nursery:
         svc = ShardcastService(host, me, store, config=ShardcastConfig())
         svc.config.keep_manifests = max(svc.config.keep_manifests, MIN_KEEP_MANIFESTS)  # as the task service sets it
@@ -140,11 +145,15 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
             new.weights_hash(), new.state_hash()
             phases.add("hashing", t)
             t = time.perf_counter()
-            await trio.to_thread.run_sync(compute.save_checkpoint, task_dir, new)
+            await trio.to_thread.run_sync(_checkpoint, task_dir, new)
             phases.add("checkpoint", t)
             t = time.perf_counter()
             await exchange.publish_state(new, f"task/{TASK_ID[:12]}/state{new.round}")
             phases.add("publish_state", t)
+            critical_s.append(time.perf_counter() - started_round)
+            t = time.perf_counter()
+            await trio.to_thread.run_sync(compute.wait_checkpoint, task_dir)
+            phases.add("checkpoint_rest", t)
             state = new
             per_round_s.append(time.perf_counter() - started_round)
             written += _written_bytes() - written_before
@@ -157,6 +166,7 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
             "bytes_written_per_param": round(written / rounds / num_params, 2),
             "store_to_model_ratio": round(store_bytes / model_bytes, 2),
             "task_dir_to_model_ratio": round(_dir_bytes(task_dir) / model_bytes, 2),
+            "critical_path_s": round(sum(critical_s) / rounds, 3),
             "rounds": rounds, "slowest_round_s": round(max(per_round_s), 3),
             "seconds": {k: round(v / rounds, 3) for k, v in phases.seconds.items()}}
 
