@@ -242,14 +242,15 @@ class ShardStore:
 
     def manifest_ids(self) -> list[bytes]:
         """Stored manifests, oldest first."""
+        snapshot = dict(self._manifests)  # a GC in another thread may drop entries while we sort
         def age(mid: bytes) -> tuple[int, int, bytes]:
             # mtimes can tie at the filesystem's clock granularity; the version breaks such ties.
             try:
                 mtime_ns = (self.manifest_dir / f"{mid.hex()}.sealed").stat().st_mtime_ns
             except FileNotFoundError:
                 mtime_ns = 0
-            return mtime_ns, self._manifests[mid].manifest.version, mid
-        return sorted(self._manifests, key=age)
+            return mtime_ns, snapshot[mid].manifest.version, mid
+        return sorted(snapshot, key=age)
 
     def held_indices(self, manifest_id: bytes) -> set[int]:
         signed = self._manifests.get(manifest_id)

@@ -26,6 +26,9 @@ from protocol.task_machine import Aggregate, Aggregated, Apply
 
 log = logging.getLogger("shoal.tasks")
 
+KEEP_STATES = 2
+"""States kept for joiners: the newest, and the one before it that a joiner may be half-way through fetching."""
+
 
 class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
@@ -40,10 +43,11 @@ class Exchange:
         self._offer_id = ""
         self._offer_sealed = b""
         self._slices: dict[int, set[bytes]] = {}
-        """Manifests of each round's update slices here (ours and fetched), released once the round is applied."""
+        """Manifests of each round's update slices here (ours and fetched), released a round after it is applied."""
         self._aggregates: dict[int, set[bytes]] = {}
-        """Each round's aggregates (ours and fetched), kept one round longer for peers that follow behind."""
+        """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
         self._states: list[bytes] = []
+        """The states published or fetched here, newest last: the last KEEP_STATES are served to joiners."""
 
     # -- fetching with verification ------------------------------------------------------------
 
@@ -105,15 +109,16 @@ class Exchange:
         return _manifest_hex(m)
 
     async def _keep_state(self, mid: bytes) -> None:
-        old = [s for s in self._states if s != mid]
-        self._states = [mid]
+        self._states = [s for s in self._states if s != mid] + [mid]
+        old, self._states = self._states[:-KEEP_STATES], self._states[-KEEP_STATES:]
         if old:
             await self.shardcast.release(old)
 
     async def collect(self, applied_round: int) -> None:
-        """Release what round ``applied_round`` needed: its slices, and the aggregates of the rounds before it."""
-        done = [r for r in self._slices if r <= applied_round]
-        done_aggregates = [r for r in self._aggregates if r < applied_round]
+        """Release what the rounds before ``applied_round`` needed: slices a round after they are applied (a slow
+        aggregator may still be fetching), aggregates two (a follower one round behind applies them)."""
+        done = [r for r in self._slices if r < applied_round]
+        done_aggregates = [r for r in self._aggregates if r < applied_round - 1]
         ids = set().union(*(self._slices.pop(r) for r in done), *(self._aggregates.pop(r) for r in done_aggregates))
         if ids:
             await self.shardcast.release(ids)

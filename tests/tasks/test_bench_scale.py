@@ -24,5 +24,6 @@ def test_bench_scale_reports_each_size_and_a_bounded_store(tmp_path):
     for figures in report["sizes"].values():
         assert figures["seconds_per_round"] > 0 and figures["bytes_written_per_param"] > 0
         assert set(figures["seconds"]) >= {"encode_publish", "aggregate", "apply", "hashing", "checkpoint"}
-    # Six rounds in, the store holds about one round's slices and aggregates and one state: not six rounds.
-    assert 0 < report["store_to_model_ratio"] <= 3.0, report
+    # Six rounds in, the store holds the last rounds' slices and aggregates and two states (2x the model each),
+    # not six rounds of everything.
+    assert 0 < report["store_to_model_ratio"] <= 6.0, report
