@@ -290,7 +290,7 @@ def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_:
 
 # -- checkpoints ---------------------------------------------------------------------------------
 #
-# <dir>/checkpoints/r<round>/{weights,momentum}.safetensors hold one round each; <dir>/meta.json (written last,
+# <dir>/checkpoints/r<round>-<hash>/{weights,momentum}.safetensors hold one round each; <dir>/meta.json (written last,
 # atomically) names the complete one. <dir>/weights.safetensors is a hard link to the newest weights, the file
 # the trainer reads. save_weights writes and links the weights (no fsync: the trainer only needs them in the page
 # cache) and leaves the rest, fsyncs, momentum, meta.json and removing older rounds, to a thread: a crash at any
@@ -301,8 +301,9 @@ _pending: dict[Path, tuple[threading.Thread, list[BaseException]]] = {}
 _pending_lock = threading.Lock()
 
 
-def _round_dir(directory: Path, r: int) -> Path:
-    return directory / CHECKPOINTS / f"r{r:08d}"
+def _round_dir(directory: Path, state: OuterState) -> Path:
+    # The hash in the name: a re-sync to another history at the same round never rewrites the complete one.
+    return directory / CHECKPOINTS / f"r{state.round:08d}-{state.weights_hash()[:16]}"
 
 
 def save_weights(directory: Path, state: OuterState) -> None:
@@ -310,7 +311,7 @@ def save_weights(directory: Path, state: OuterState) -> None:
     checkpoint of ``directory`` first, so at most one is in flight, and raises the error it ended with, if any."""
     directory = Path(directory)
     wait_checkpoint(directory)
-    round_dir = _round_dir(directory, state.round)
+    round_dir = _round_dir(directory, state)
     round_dir.mkdir(parents=True, exist_ok=True)
     save_named(round_dir / "weights.safetensors", state.weights, durable=False)
     _link(round_dir / "weights.safetensors", directory / "weights.safetensors")

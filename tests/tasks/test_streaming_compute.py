@@ -125,7 +125,7 @@ def test_a_crash_between_rounds_leaves_the_last_complete_checkpoint(tmp_path):
     flat, _ = flatten({n: torch.full_like(t, 1e-3) for n, t in first.weights.items()})
     second = compute.apply_aggregates(first, [encode_int8(flat)], work=1)
     # Round 1's weights are written and linked for the trainer, then the node dies before the rest.
-    round_dir = compute._round_dir(tmp_path, second.round)
+    round_dir = compute._round_dir(tmp_path, second)
     round_dir.mkdir(parents=True)
     save_named(round_dir / "weights.safetensors", second.weights, durable=False)
     compute._link(round_dir / "weights.safetensors", tmp_path / "weights.safetensors")
@@ -158,3 +158,17 @@ def test_a_corrupt_checkpoint_reads_as_none(tmp_path):
         assert compute.load_checkpoint(tmp_path, spec) is None, (name, at)
         path.write_bytes(good)
     assert compute.load_checkpoint(tmp_path, spec).state_hash() == meta["state_hash"]
+
+
+def test_a_resync_to_another_history_at_the_same_round_keeps_the_complete_one_until_it_is_whole(tmp_path):
+    spec = _spec()
+    base = compute.new_state(spec)
+    ones = {n: torch.full_like(t, 1e-3) for n, t in base.weights.items()}
+    ours = compute.apply_aggregates(base, [encode_int8(flatten(ones)[0])], work=1)
+    theirs = compute.apply_aggregates(base, [encode_int8(-flatten(ones)[0])], work=2)
+    assert ours.round == theirs.round and ours.weights_hash() != theirs.weights_hash()
+    compute.save_checkpoint(tmp_path, ours)
+    assert compute._round_dir(tmp_path, theirs) != compute._round_dir(tmp_path, ours)
+    compute.save_checkpoint(tmp_path, theirs)
+    back = compute.load_checkpoint(tmp_path, spec)
+    assert back.state_hash() == theirs.state_hash() and back.work == 2
