@@ -69,7 +69,7 @@ def export_task(data_dir: Path, prefix: str, out: Path, *, adapter: bool = False
         raise ConfigError(f"{out} exists and is not empty; choose a new directory")
     try:
         meta = json.loads((directory / "meta.json").read_text())
-        weights = load_named(directory / "weights.safetensors")
+        weights = load_named(directory / meta.get("dir", ".") / "weights.safetensors")
     except (OSError, ValueError):
         raise ConfigError(f"task {directory.name[:12]} has no complete checkpoint yet; wait for its first round") from None
     if weights_hash(weights) != meta.get("weights_hash"):

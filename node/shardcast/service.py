@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -21,7 +23,7 @@ from protocol.keys import Keypair
 from protocol.scores import FloodLimiter
 from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
                                STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Have, Manifest, ManifestRequest, ManifestResponse,
-                               SignedManifest, bitfield_from_indices, bitfield_indices, build_manifest,
+                               SignedManifest, bitfield_from_indices, bitfield_indices,
                                make_manifest, open_manifest, seal_manifest)
 
 from node.shardcast import transfer
@@ -36,6 +38,7 @@ TOPIC = "shoal/shards/1"
 MANIFEST_PROTOCOL = "/shoal/manifest/1"
 _RESPONSE_MAX_BYTES = MAX_MANIFEST_BYTES + 64 * 1024
 _MAX_HOLDERS_PER_MANIFEST = 4096
+HASH_THREADS = 2
 
 
 class ShardcastService:
@@ -98,19 +101,42 @@ class ShardcastService:
 
     # publishing
 
-    async def publish_tensors(self, tensors, *, label: str = "", version: int | None = None) -> Manifest:
+    async def publish_tensors(self, tensors, *, label: str = "", version: int | None = None,
+                              durable: bool = True) -> Manifest:
         """Store ``tensors`` (a dict of torch tensors) as shards, sign and announce their manifest."""
-        from node.shardcast.tensors import tensors_to_blob  # torch only where tensors are used
-        blob, entries = await trio.to_thread.run_sync(tensors_to_blob, tensors)
+        from node.shardcast.tensors import TensorParts  # torch only where tensors are used
+        parts = await trio.to_thread.run_sync(TensorParts, tensors)
+        return await self._publish_parts(parts.pieces, parts.total_bytes, parts.entries, label=label,
+                                         version=version, durable=durable)
+
+    async def publish_blob(self, blob: bytearray, entries, *, label: str = "", version: int | None = None,
+                           durable: bool = True) -> Manifest:
+        """publish_tensors for tensors already laid out in ``blob`` (protocol.manifest.layout_tensors): no copy.
+        Each shard is hashed once, side by side in threads; ``durable``: see ShardStore.put_shard."""
+        view = memoryview(blob)
+        return await self._publish_parts(lambda start, end: [view[start:end]], len(view), entries, label=label,
+                                         version=version, durable=durable)
+
+    async def _publish_parts(self, pieces: Callable[[int, int], list], total_bytes: int, entries, *, label: str,
+                             version: int | None, durable: bool) -> Manifest:
+        """A tensors manifest over bytes read as ``pieces(start, end)``: each shard hashed once (shards side by
+        side in threads), then written with that hash."""
         cfg = self.config
 
+        def shard_hash(bounds: tuple[int, int]) -> bytes:
+            h = hashlib.sha256()
+            for piece in pieces(*bounds):
+                h.update(piece)
+            return h.digest()
+
         def work() -> SignedManifest:
-            m = build_manifest(blob, shard_bytes=cfg.shard_bytes, kind=KIND_TENSORS, label=label,
-                               version=self._version(version), tensors=entries)
-            view = memoryview(blob)
-            for i in range(m.num_shards):
-                start, end = m.shard_range(i)
-                self.store.put_shard(view[start:end])
+            ranges = [(a, min(total_bytes, a + cfg.shard_bytes)) for a in range(0, total_bytes, cfg.shard_bytes)]
+            with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+                hashes = list(pool.map(shard_hash, ranges))
+            m = make_manifest(kind=KIND_TENSORS, label=label, version=self._version(version), total_bytes=total_bytes,
+                              shard_bytes=cfg.shard_bytes, shard_hashes=hashes, tensors=tuple(entries))
+            for bounds, sha in zip(ranges, hashes):
+                self.store.put_shard_pieces(pieces(*bounds), sha, durable=durable)
             return self._sign_and_store(m)
 
         return await self._publish(work)
@@ -160,16 +186,26 @@ class ShardcastService:
 
     # reading back
 
-    def load_tensors(self, manifest: Manifest) -> dict:
+    def load_tensors(self, manifest: Manifest, *, verify: bool = True) -> dict:
         """The manifest's tensors as CPU tensors sharing one buffer; re-verifies every shard (blocking).
 
         LocalStoreError if a stored shard no longer matches its hash: our disk's fault, not the
-        producer's. The shard is dropped, so fetching the manifest again repairs it.
+        producer's. The shard is dropped, so fetching the manifest again repairs it. ``verify=False``
+        for bytes hashed moments ago where they arrived or were made (the one-way path hashes once each).
         """
         from node.shardcast.tensors import blob_to_tensors
         if manifest.kind != KIND_TENSORS:
             raise ValueError(f"manifest {manifest.label!r} holds a file, not tensors: use export_file")
-        return blob_to_tensors(self._assemble(manifest), manifest.tensors)
+        return blob_to_tensors(self._assemble(manifest, verify=verify), manifest.tensors)
+
+    async def release(self, manifest_ids) -> None:
+        """Drop these manifests now (unless a fetch of one is under way) and the shards only they referenced."""
+        async with self._gc_lock:
+            protect, drop = set(self._active_fetches), set(manifest_ids)
+            await trio.to_thread.run_sync(
+                lambda: self.store.gc(keep_manifests=self.config.keep_manifests, protect=protect, drop=drop))
+        for mid in [m for m in self._seeds if self.store.get_manifest(m) is None]:
+            del self._seeds[mid]
 
     def export_file(self, manifest: Manifest, path: Path | str) -> None:
         """Write the manifest's content to ``path`` atomically (blocking)."""
@@ -183,11 +219,19 @@ class ShardcastService:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def _assemble(self, manifest: Manifest) -> bytearray:
+    def _assemble(self, manifest: Manifest, *, verify: bool = True) -> bytearray:
         blob = bytearray(manifest.total_bytes)
+        view = memoryview(blob)
         for i, h in enumerate(manifest.shard_hashes):
             start, end = manifest.shard_range(i)
-            blob[start:end] = self._read_local(h)
+            try:
+                self.store.read_shard_into(h, view[start:end], verify=verify)
+            except IntegrityError as exc:
+                self._stats.local_corruptions += 1
+                log.warning("shardcast: %s", exc)
+                raise LocalStoreError(f"{exc}; fetch the manifest again to repair it") from None
+            except FileNotFoundError:
+                raise LocalStoreError(f"shard {h.hex()[:16]} is gone from the store; fetch it again") from None
         return blob
 
     def _read_local(self, sha256: bytes) -> bytes:

@@ -159,19 +159,58 @@ class ShardStore:
             self._shards[sha256] = nbytes
         fsync_dir(path.parent)
 
-    def put_shard(self, data: bytes | bytearray | memoryview) -> bytes:
-        """Store ``data`` under its sha256 (a no-op if present); returns the hash."""
-        digest = hashlib.sha256(data).digest()
+    def put_shard(self, data: bytes | bytearray | memoryview, *, sha256: bytes | None = None,
+                  durable: bool = True) -> bytes:
+        """Store ``data`` under its sha256 (a no-op if present); returns the hash.
+
+        ``sha256``: the hash the caller just computed of these very bytes (its own manifest), not hashed again.
+        ``durable=False``: no fsync, for bytes this node can make or fetch again; open() re-hashes every shard,
+        so one a crash tore is dropped, never served."""
+        digest = hashlib.sha256(data).digest() if sha256 is None else sha256
         if digest not in self._shards:
             path = self.shard_path(digest)
             path.parent.mkdir(exist_ok=True)
-            write_atomic(path, data, tmp_dir=self.tmp_dir)
+            if durable:
+                write_atomic(path, data, tmp_dir=self.tmp_dir)
+            else:
+                tmp = self.tmp_dir / f"{digest.hex()}.{threading.get_ident()}.put"
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
             with self._lock:
                 self._shards[digest] = len(data)
         return digest
 
+    def put_shard_pieces(self, pieces: list, sha256: bytes, *, durable: bool = True) -> None:
+        """put_shard of the concatenated ``pieces``, whose sha256 the caller just computed, written piece by piece."""
+        if sha256 in self._shards:
+            return
+        path = self.shard_path(sha256)
+        path.parent.mkdir(exist_ok=True)
+        tmp = self.tmp_dir / f"{sha256.hex()}.{threading.get_ident()}.put"
+        try:
+            with open(tmp, "wb") as f:
+                nbytes = sum(f.write(p) for p in pieces)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if durable:
+            fsync_dir(path.parent)
+        with self._lock:
+            self._shards[sha256] = nbytes
+
     def shard_writer(self, sha256: bytes, nbytes: int) -> ShardWriter:
         return ShardWriter(self, sha256, nbytes)
+
+    def read_shard_into(self, sha256: bytes, out: memoryview, *, verify: bool = True) -> None:
+        """read_shard into ``out`` (exactly the shard's size), without an intermediate copy."""
+        with open(self.shard_path(sha256), "rb") as f:
+            got = f.readinto(out)
+        if got != len(out) or (verify and hashlib.sha256(out).digest() != sha256):
+            self.drop_shard(sha256)
+            raise IntegrityError(f"shard {sha256.hex()[:16]} is corrupt on disk; dropped")
 
     def read_shard(self, sha256: bytes, *, verify: bool = True) -> bytes:
         """The shard's bytes; IntegrityError (and the file dropped) if the disk no longer matches."""
@@ -203,14 +242,15 @@ class ShardStore:
 
     def manifest_ids(self) -> list[bytes]:
         """Stored manifests, oldest first."""
+        snapshot = dict(self._manifests)  # a GC in another thread may drop entries while we sort
         def age(mid: bytes) -> tuple[int, int, bytes]:
             # mtimes can tie at the filesystem's clock granularity; the version breaks such ties.
             try:
                 mtime_ns = (self.manifest_dir / f"{mid.hex()}.sealed").stat().st_mtime_ns
             except FileNotFoundError:
                 mtime_ns = 0
-            return mtime_ns, self._manifests[mid].manifest.version, mid
-        return sorted(self._manifests, key=age)
+            return mtime_ns, snapshot[mid].manifest.version, mid
+        return sorted(snapshot, key=age)
 
     def held_indices(self, manifest_id: bytes) -> set[int]:
         signed = self._manifests.get(manifest_id)
@@ -218,14 +258,17 @@ class ShardStore:
             return set()
         return {i for i, h in enumerate(signed.manifest.shard_hashes) if h in self._shards}
 
-    def gc(self, *, keep_manifests: int, protect: set[bytes] = frozenset()) -> tuple[int, int]:
-        """Keep the newest ``keep_manifests`` manifests plus ``protect``; delete shards nobody references.
+    def gc(self, *, keep_manifests: int, protect: set[bytes] = frozenset(),
+           drop: set[bytes] = frozenset()) -> tuple[int, int]:
+        """Keep the newest ``keep_manifests`` manifests plus ``protect``, less ``drop`` (unless protected);
+        delete shards nobody references.
 
         Returns (manifests removed, shards removed).
         """
         with self._lock:
             order = self.manifest_ids()
             doomed = [m for m in order[:max(0, len(order) - keep_manifests)] if m not in protect]
+            doomed += [m for m in drop if m in self._manifests and m not in protect and m not in doomed]
             for mid in doomed:
                 self._manifests.pop(mid)
                 (self.manifest_dir / f"{mid.hex()}.sealed").unlink(missing_ok=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from protocol.manifest import TensorEntry, layout_tensors
@@ -43,3 +45,38 @@ def blob_to_tensors(blob: bytearray, entries: tuple[TensorEntry, ...]) -> dict[s
         flat = torch.frombuffer(blob, dtype=dtype, count=entry.nbytes // dtype.itemsize, offset=entry.offset)
         out[entry.name] = flat.reshape(entry.shape)
     return out
+
+
+class TensorParts:
+    """The blob tensors_to_blob would build, without building it: byte views of the tensors' own memory at their
+    offsets (the alignment gaps are zeros), read shard by shard. The tensors must stay unchanged meanwhile."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        specs = []
+        for name, t in tensors.items():
+            if t.dtype not in _TO_NAME:
+                raise ValueError(f"tensor {name!r} has dtype {t.dtype}; shardcast carries {sorted(_FROM_NAME)}")
+            specs.append((name, _TO_NAME[t.dtype], tuple(t.shape)))
+        self.entries, self.total_bytes = layout_tensors(specs)
+        self._keep, self._parts = [], []
+        for entry, t in zip(self.entries, tensors.values()):
+            if entry.nbytes:
+                src = t.detach().to("cpu").contiguous()  # no copy for a contiguous CPU tensor
+                self._keep.append(src)
+                raw = (ctypes.c_char * entry.nbytes).from_address(src.data_ptr())
+                self._parts.append((entry.offset, memoryview(raw).cast("B")))
+
+    def pieces(self, start: int, end: int) -> list[memoryview | bytes]:
+        """The blob's bytes start .. end as consecutive pieces: views of tensor memory and zero gaps."""
+        out, at = [], start
+        for offset, view in self._parts:
+            lo, hi = max(at, offset), min(end, offset + len(view))
+            if lo >= hi:
+                continue
+            if lo > at:
+                out.append(bytes(lo - at))
+            out.append(view[lo - offset:hi - offset])
+            at = hi
+        if at < end:
+            out.append(bytes(end - at))
+        return out

@@ -6,15 +6,19 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from node.fsutil import fsync_dir, write_atomic
-from node.train.compress import check_int8, decode_int8, encode_int8, encoded_size, tensor_bytes
-from node.train.diloco import (Named, OuterNesterov, flatten, load_named, named_tensors, save_named, unflatten,
-                               weights_hash)
+from node.train.compress import (CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, Int8Payload, Int8Writer, decode_int8, encoded_size,
+                                  tensor_bytes)
+from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
 from node.train.model import ModelConfig, init_model
 from protocol.errors import IntegrityError
 from protocol.manifest import Manifest
@@ -41,54 +45,123 @@ def slice_bounds(numel: int, num_slices: int) -> list[tuple[int, int]]:
     return [(numel * i // num_slices, numel * (i + 1) // num_slices) for i in range(num_slices)]
 
 
-def payload_tensor(data: bytes) -> dict[str, torch.Tensor]:
-    return {PAYLOAD: torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+def payload_tensor(data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    return {PAYLOAD: torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(0, dtype=torch.uint8)}
 
 
-def split_update(delta: Named, num_slices: int) -> list[bytes]:
-    """Δ flattened in sorted-name order, cut into slices, each int8-encoded."""
-    flat, _ = flatten(delta)
-    return [encode_int8(flat[a:b].contiguous()) for a, b in slice_bounds(flat.numel(), num_slices)]
+def split_update(delta: Named, num_slices: int) -> list[bytearray]:
+    """Δ flattened in sorted-name order, cut into slices, each int8-encoded (chunk by chunk, no flat copy)."""
+    names = sorted(delta)
+    sizes = [delta[n].numel() for n in names]
+    bounds = slice_bounds(sum(sizes), num_slices)
+    writers = [Int8Writer(b - a) for a, b in bounds]
+    pending = [torch.zeros(0)] * num_slices  # values waiting for a block boundary, per slice
+    at = 0
+    for name, n in zip(names, sizes):
+        flat = delta[name].detach().reshape(-1).to(torch.float32).contiguous()
+        for s, (a, b) in enumerate(bounds):
+            lo, hi = max(a, at), min(b, at + n)
+            if lo < hi:
+                pending[s] = _feed(writers[s], lo - a, flat[lo - at:hi - at], pending[s], b - a)
+        at += n
+    return [w.out for w in writers]
+
+
+def _feed(writer: Int8Writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
+    """Write values starting at slice offset ``lo`` (after ``pending``) in whole blocks; return what is left over."""
+    if pending.numel():
+        values = torch.cat([pending, values])
+        lo -= pending.numel()
+    bs = writer.block_size
+    end = lo + values.numel()
+    cut = values.numel() if end == numel else values.numel() - (end % bs)
+    if cut:
+        writer.write(lo, values[:cut])
+    return values[cut:].clone() if cut < values.numel() else torch.zeros(0)
 
 
 def payload_bytes(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int) -> bytes:
-    """The int8 payload of a slice manifest; IntegrityError unless it is exactly one tensor of the right size."""
+    """The int8 payload of a slice manifest as bytes (see payload_view)."""
+    return tensor_bytes(payload_view(manifest, tensors, numel))
+
+
+def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
+    """The int8 payload of a slice manifest as a uint8 view, no copy; IntegrityError unless it is exactly one
+    tensor of the right size."""
     expected = encoded_size(numel)
     entries = manifest.tensors
     if len(entries) != 1 or entries[0].name != PAYLOAD or entries[0].dtype != "uint8" \
             or entries[0].shape != (expected,):
         shapes = [(e.name, e.dtype, e.shape) for e in entries]
         raise IntegrityError(f"slice payload must be one uint8 tensor {PAYLOAD!r} of {expected} bytes, got {shapes}")
-    return tensor_bytes(tensors[PAYLOAD])
+    return tensors[PAYLOAD]
 
 
-def decode_slice(data: bytes, numel: int) -> torch.Tensor:
+def decode_slice(data, numel: int) -> torch.Tensor:
     try:
         return decode_int8(data, numel)
     except ValueError as exc:
         raise IntegrityError(f"bad int8 slice: {exc}") from None
 
 
-def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytes, str, list[str]]:
-    """Weighted mean (by samples, sorted producer order) of the slices, int8-encoded, its hash, and the
-    producers whose slice did not decode (left out). Streams: one decoded slice in memory at a time,
-    with the same operations in the same order as diloco.weighted_mean, so every aggregator agrees."""
-    bad = []
+def _open_slice(data, numel: int) -> Int8Payload:
+    try:
+        return Int8Payload(data, numel)
+    except ValueError as exc:
+        raise IntegrityError(f"bad int8 slice: {exc}") from None
+
+
+def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytearray, str, list[str]]:
+    """aggregate_payload, and the sha256 of the result."""
+    out, bad = aggregate_payload(slices, numel)
+    return out, hashlib.sha256(out).hexdigest(), bad
+
+
+def aggregate_payload(slices: dict, numel: int) -> tuple[bytearray, list[str]]:
+    """Weighted mean (by samples, sorted producer order) of the int8 slices, int8-encoded, and the producers whose
+    slice did not decode (left out). Streams: chunk by chunk, each producer's int8 bytes decoded into one scratch
+    buffer and added in, with the same operations in the same order as diloco.weighted_mean (zeros, then
+    acc + decoded * w per producer), so every aggregator computes the same bits; nothing whole-slice in fp32."""
+    views, bad = {}, []
     for peer in sorted(slices):
         try:
-            check_int8(slices[peer][0], numel)
+            views[peer] = Int8Payload(slices[peer][0], numel)
         except ValueError:
             bad.append(peer)
-    good = [peer for peer in sorted(slices) if peer not in bad]
-    if not good:
+    if not views:
         raise IntegrityError("no slice decoded")
-    total = math.fsum(float(slices[p][1]) for p in good)
-    acc = torch.zeros(numel, dtype=torch.float32)
-    for peer in good:
-        data, samples = slices[peer]
-        acc = acc + decode_int8(data, numel) * torch.tensor(float(samples) / total, dtype=torch.float32)
-    out = encode_int8(acc)
-    return out, hashlib.sha256(out).hexdigest(), bad
+    total = math.fsum(float(slices[p][1]) for p in views)
+    weights = {p: torch.tensor(float(slices[p][1]) / total, dtype=torch.float32) for p in views}
+    writer = Int8Writer(numel)
+    step = CHUNK_BLOCKS * writer.block_size
+    acc = torch.empty(min(step, numel), dtype=torch.float32)
+    scratch = torch.empty((CHUNK_BLOCKS + 2) * writer.block_size, dtype=torch.float32)
+    for lo in range(0, numel, step):
+        hi = min(numel, lo + step)
+        chunk = acc[:hi - lo].zero_()
+        for peer, view in views.items():
+            chunk.add_(view.decode(lo, hi, scratch).mul_(weights[peer]))
+        writer.write(lo, chunk)
+    return writer.out, bad
+
+
+def _momentum(outer: OuterNesterov) -> Named:
+    """The outer state as named tensors, without state_dict's copies: nothing here is changed in place."""
+    return {f"{MOMENTUM_PREFIX}{name}": buf for name, buf in sorted(outer.buffers.items())}
+
+
+def state_hash_of(weights_hash_: str, momentum_hash: str) -> str:
+    """The state hash: the weights' hash (known already) with the momentum's, so the weights are hashed once."""
+    return hashlib.sha256(f"shoal/state/v2:{weights_hash_}:{momentum_hash}".encode()).hexdigest()
+
+
+def _in_threads(*calls):
+    """Run independent whole-model hashes side by side: sha256 releases the GIL on large buffers."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 @dataclass
@@ -105,14 +178,16 @@ class OuterState:
 
     def _hashes(self) -> tuple[str, str]:
         if self.hashes is None:
-            self.hashes = (weights_hash(self.weights), weights_hash(self.state_tensors()))
+            momentum = _momentum(self.outer)
+            weights_h, momentum_h = _in_threads(lambda: weights_hash(self.weights), lambda: weights_hash(momentum))
+            self.hashes = (weights_h, state_hash_of(weights_h, momentum_h))
         return self.hashes
 
     def weights_hash(self) -> str:
         return self._hashes()[0]
 
     def state_tensors(self) -> Named:
-        return {**self.weights, **self.outer.state_dict()}
+        return {**self.weights, **_momentum(self.outer)}
 
     def state_hash(self) -> str:
         return self._hashes()[1]
@@ -123,15 +198,60 @@ def new_state(spec: TaskSpec) -> OuterState:
                       outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
 
 
-def apply_aggregates(state: OuterState, payloads: list[bytes], work: int) -> OuterState:
-    """θ_{r+1} from the chosen aggregate of every slice, through the deterministic outer Nesterov step."""
-    flat, layout = flatten(state.weights)
-    bounds = slice_bounds(flat.numel(), len(payloads))
-    mean = torch.cat([decode_slice(p, b - a) for p, (a, b) in zip(payloads, bounds)])
-    update = unflatten(mean, layout)
+def apply_aggregates(state: OuterState, payloads: list, work: int) -> OuterState:
+    """θ_{r+1} from the chosen aggregate of every slice, through the outer Nesterov step of OuterNesterov.step,
+    chunk by chunk: each aggregate decoded straight into the step, new tensors written once, θ_r left whole.
+
+    Per element, the same float32 operations in the same order as OuterNesterov.step (buf = buf·μ + g, or g on
+    the first step; θ − (g + buf·μ)·lr), so every node reaches the same bits."""
+    names = sorted(state.weights)
+    numel = sum(state.weights[n].numel() for n in names)
+    bounds = slice_bounds(numel, len(payloads))
+    views = [_open_slice(p, b - a) for p, (a, b) in zip(payloads, bounds)]
+    lr = torch.tensor(state.outer.lr, dtype=torch.float32)
+    mu = torch.tensor(state.outer.momentum, dtype=torch.float32)
+    step = CHUNK_BLOCKS * DEFAULT_BLOCK_SIZE
+    scratch = torch.empty((CHUNK_BLOCKS + 2) * DEFAULT_BLOCK_SIZE, dtype=torch.float32)
+    gathered = torch.empty(step, dtype=torch.float32)
+    tmp = torch.empty(step, dtype=torch.float32)
+
+    def update(lo: int, hi: int) -> torch.Tensor:
+        """The mean update for flat positions lo .. hi (at most one chunk), decoded from the slices it spans."""
+        parts = [(s, max(a, lo), min(b, hi)) for s, (a, b) in enumerate(bounds) if max(a, lo) < min(b, hi)]
+        if len(parts) == 1:
+            s, x, y = parts[0]
+            return views[s].decode(x - bounds[s][0], y - bounds[s][0], scratch)
+        out = gathered[:hi - lo]
+        for s, x, y in parts:
+            out[x - lo:y - lo].copy_(views[s].decode(x - bounds[s][0], y - bounds[s][0], scratch))
+        return out
+
+    weights, buffers, at = {}, {}, 0
+    for name in names:
+        theta = state.weights[name].detach().reshape(-1).to(torch.float32)
+        old = state.outer.buffers.get(name)
+        old = old.reshape(-1) if old is not None else None
+        new_theta = torch.empty(theta.numel(), dtype=torch.float32)
+        new_buf = torch.empty(theta.numel(), dtype=torch.float32)
+        for lo in range(0, theta.numel(), step):
+            hi = min(theta.numel(), lo + step)
+            g = update(at + lo, at + hi)
+            buf = new_buf[lo:hi]
+            if old is None:
+                buf.copy_(g)
+            else:
+                torch.mul(old[lo:hi], mu, out=buf)
+                buf.add_(g)
+            t = tmp[:hi - lo]
+            torch.mul(buf, mu, out=t)
+            t.add_(g)  # g + buf·μ: float addition commutes bit for bit
+            t.mul_(lr)
+            torch.sub(theta[lo:hi], t, out=new_theta[lo:hi])
+        shape = state.weights[name].shape
+        weights[name], buffers[name] = new_theta.view(shape), new_buf.view(shape)
+        at += theta.numel()
     outer = OuterNesterov(lr=state.outer.lr, momentum=state.outer.momentum)
-    outer.buffers = dict(state.outer.buffers)  # step() replaces buffers, never mutates them: θ_r stays whole
-    weights = outer.step(state.weights, update)
+    outer.buffers = buffers
     return OuterState(round=state.round + 1, weights=weights, outer=outer, work=work)
 
 
@@ -153,72 +273,116 @@ def state_from_initial(spec: TaskSpec, tensors: Named) -> OuterState:
 
 def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_: str, state_hash: str,
                        work: int) -> OuterState:
-    """Weights and momentum fetched from a peer, verified against the hashes the majority announced."""
-    tensors = {name: t.clone() for name, t in tensors.items()}
+    """Weights and momentum fetched from a peer, verified against the hashes the majority announced. The tensors
+    are kept as they are (views of the fetched buffer): nothing changes them in place."""
     weights = {n: t for n, t in sorted(tensors.items()) if not n.startswith(MOMENTUM_PREFIX)}
-    momentum = {n: t for n, t in tensors.items() if n.startswith(MOMENTUM_PREFIX)}
+    momentum = {n: t for n, t in sorted(tensors.items()) if n.startswith(MOMENTUM_PREFIX)}
     reference = initial_weights(spec)
     if {n: tuple(t.shape) for n, t in weights.items()} != {n: tuple(t.shape) for n, t in reference.items()}:
         raise IntegrityError("fetched weights do not match the task's model layout")
-    if weights_hash(weights) != weights_hash_ or weights_hash(dict(sorted(tensors.items()))) != state_hash:
-        raise IntegrityError("fetched weights or optimizer state do not match the majority's hashes")
     outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
-    outer.load_state_dict(momentum)
-    return OuterState(round=r, weights=weights, outer=outer, work=work, hashes=(weights_hash_, state_hash))
+    outer.buffers = {n.removeprefix(MOMENTUM_PREFIX): t.to(torch.float32) for n, t in momentum.items()}
+    state = OuterState(round=r, weights=weights, outer=outer, work=work)
+    if state.weights_hash() != weights_hash_ or state.state_hash() != state_hash:
+        raise IntegrityError("fetched weights or optimizer state do not match the majority's hashes")
+    return state
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
+#
+# <dir>/checkpoints/r<round>-<hash>/{weights,momentum}.safetensors hold one round each; <dir>/meta.json (written last,
+# atomically) names the complete one. <dir>/weights.safetensors is a hard link to the newest weights, the file
+# the trainer reads. save_weights writes and links the weights (no fsync: the trainer only needs them in the page
+# cache) and leaves the rest, fsyncs, momentum, meta.json and removing older rounds, to a thread: a crash at any
+# point leaves meta.json naming a complete, fsynced round.
 
-PARTS = ("weights", "momentum")
-"""A checkpoint's tensor files, beside its meta.json: <part>.safetensors, and <part>.next.safetensors while saving."""
+CHECKPOINTS = "checkpoints"
+_pending: dict[Path, tuple[threading.Thread, list[BaseException]]] = {}
+_pending_lock = threading.Lock()
+
+
+def _round_dir(directory: Path, state: OuterState) -> Path:
+    # The hash in the name: a re-sync to another history at the same round never rewrites the complete one.
+    return directory / CHECKPOINTS / f"r{state.round:08d}-{state.weights_hash()[:16]}"
+
+
+def save_weights(directory: Path, state: OuterState) -> None:
+    """θ's file for the trainer now; the rest of the checkpoint in a thread (see above). Waits for the previous
+    checkpoint of ``directory`` first, so at most one is in flight, and raises the error it ended with, if any."""
+    directory = Path(directory)
+    wait_checkpoint(directory)
+    round_dir = _round_dir(directory, state)
+    round_dir.mkdir(parents=True, exist_ok=True)
+    save_named(round_dir / "weights.safetensors", state.weights, durable=False)
+    _link(round_dir / "weights.safetensors", directory / "weights.safetensors")
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            _finish(directory, round_dir, state)
+        except BaseException as exc:  # re-raised by the next save or wait, in the caller's thread
+            errors.append(exc)
+    thread = threading.Thread(target=finish, name=f"checkpoint-r{state.round}")
+    with _pending_lock:
+        _pending[directory] = (thread, errors)
+    thread.start()
+
+
+def wait_checkpoint(directory: Path) -> None:
+    """Block until ``directory``'s checkpoint in flight (if any) is complete; raise its error."""
+    with _pending_lock:
+        pending = _pending.pop(Path(directory), None)
+    if pending is not None:
+        pending[0].join()
+        if pending[1]:
+            raise pending[1][0]
+
+
+def _finish(directory: Path, round_dir: Path, state: OuterState) -> None:
+    with open(round_dir / "weights.safetensors", "rb+") as f:
+        os.fsync(f.fileno())
+    save_named(round_dir / "momentum.safetensors", _momentum(state.outer))  # fsyncs round_dir as well
+    fsync_dir(round_dir.parent)
+    meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash(),
+            "work": state.work, "dir": f"{CHECKPOINTS}/{round_dir.name}"}
+    write_atomic(directory / "meta.json", json.dumps(meta).encode())
+    # No other round is in flight (save_weights waits for this one), so every other round is superseded.
+    for old in (directory / CHECKPOINTS).iterdir():
+        if old != round_dir:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _link(target: Path, name: Path) -> None:
+    tmp = name.with_name(f".{name.name}.{os.getpid()}.{threading.get_ident()}.link")
+    tmp.unlink(missing_ok=True)
+    os.link(target, tmp)
+    os.replace(tmp, name)
 
 
 def save_checkpoint(directory: Path, state: OuterState) -> dict:
-    """Both tensor files as .next, then meta.json (the commit point), then the .next files into place.
-
-    Each write is atomic, but three files are not: a process killed between them would leave new
-    weights beside old momentum and meta, which no longer verify. With meta.json last to commit and
-    the .next files kept until then, load_checkpoint always finds the old or the new checkpoint whole.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    save_named(directory / "weights.next.safetensors", state.weights)
-    save_named(directory / "momentum.next.safetensors", state.outer.state_dict())
-    meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash(),
-            "work": state.work}
-    write_atomic(directory / "meta.json", json.dumps(meta).encode())
-    for part in PARTS:
-        os.replace(directory / f"{part}.next.safetensors", directory / f"{part}.safetensors")
-    fsync_dir(directory)
-    return meta
+    """A whole checkpoint, waited for: save_weights and its thread."""
+    save_weights(directory, state)
+    wait_checkpoint(directory)
+    return json.loads((Path(directory) / "meta.json").read_text())
 
 
 def load_checkpoint(directory: Path, spec: TaskSpec) -> OuterState | None:
-    """The last complete checkpoint, or None if there is none or it does not verify.
-
-    A save interrupted after its meta.json committed is finished here: the .next files that match
-    the meta are moved into place, so the trainer reads the weights the meta names.
-    """
+    """The checkpoint meta.json names, or None if there is none or it does not verify; the trainer's weights
+    file is pointed back at it (a crash may have left it at a newer, incomplete round)."""
+    directory = Path(directory)
+    wait_checkpoint(directory)
     try:
         meta = json.loads((directory / "meta.json").read_text())
-    except (OSError, ValueError):
+        where = directory / meta.get("dir", ".")  # "." : the one-directory layout of earlier versions
+        weights = load_named(where / "weights.safetensors")
+        momentum = load_named(where / "momentum.safetensors")
+    except (OSError, ValueError, SafetensorError):  # a torn or rotted file is no checkpoint, not a crash
         return None
-    choices = [[name for name in (f"{part}.safetensors", f"{part}.next.safetensors") if (directory / name).exists()]
-               for part in PARTS]
-    for weights_file in choices[0]:
-        for momentum_file in choices[1]:
-            try:
-                weights = load_named(directory / weights_file)
-                momentum = load_named(directory / momentum_file)
-                outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
-                outer.load_state_dict(momentum)
-            except (OSError, ValueError):
-                continue
-            state = OuterState(round=int(meta["round"]), weights=weights, outer=outer, work=int(meta.get("work", 0)))
-            if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
-                continue
-            for part, name in zip(PARTS, (weights_file, momentum_file)):
-                if name != f"{part}.safetensors":
-                    os.replace(directory / name, directory / f"{part}.safetensors")
-            fsync_dir(directory)
-            return state
-    return None
+    outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
+    outer.load_state_dict(momentum)
+    state = OuterState(round=int(meta["round"]), weights=weights, outer=outer, work=int(meta.get("work", 0)))
+    if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
+        return None
+    if where != directory:
+        _link(where / "weights.safetensors", directory / "weights.safetensors")
+    return state

@@ -15,10 +15,11 @@ from pathlib import Path
 import trio
 
 from node.tasks import compute
+from node.train.diloco import load_named
 from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.keys import Keypair
-from protocol.manifest import KIND_FILE, KIND_TENSORS, Manifest, manifest_id
+from protocol.manifest import KIND_FILE, KIND_TENSORS, Manifest, layout_tensors, manifest_id
 from protocol.round import Head, round_work
 from protocol.task import DatasetOffer, TaskSpec
 from protocol.task_machine import Aggregate, Aggregated, Apply
@@ -29,6 +30,8 @@ AGGREGATE_FETCH_SHARE = 0.5
 """An aggregator fetches producers' slices for at most this share of the round deadline, then combines
 what arrived. Members gather for one round deadline: a producer that announced and then died (a SIGKILL)
 or stalls must cost the slice its contribution, not make the aggregate miss that deadline everywhere."""
+KEEP_STATES = 2
+"""States kept for joiners: the newest, and the one before it that a joiner may be half-way through fetching."""
 
 
 class Exchange:
@@ -43,11 +46,19 @@ class Exchange:
         self._offer_path: Path | None = None
         self._offer_id = ""
         self._offer_sealed = b""
+        self._slices: dict[int, set[bytes]] = {}
+        """Manifests of each round's update slices here (ours and fetched), released a round after it is applied."""
+        self._aggregates: dict[int, set[bytes]] = {}
+        """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
+        self._states: list[bytes] = []
+        """The states published or fetched here, newest last: the last KEEP_STATES are served to joiners."""
 
     # -- fetching with verification ------------------------------------------------------------
 
-    async def _fetch(self, manifest_hex: str, signer: str, timeout_s: float) -> tuple[Manifest, dict]:
-        """Fetch a tensors manifest signed by ``signer``; IntegrityError/TransferTimeout on failure."""
+    async def _fetch(self, manifest_hex: str, signer: str, timeout_s: float, *,
+                     verify: bool = True) -> tuple[Manifest, dict]:
+        """Fetch a tensors manifest signed by ``signer``; IntegrityError/TransferTimeout on failure.
+        ``verify=False``: the store hashed every shard where it arrived or was made; not again on reading."""
         mid = bytes.fromhex(manifest_hex)
         with trio.fail_after(timeout_s):
             manifest = await self.shardcast.fetch(mid)
@@ -57,7 +68,7 @@ class Exchange:
         if manifest.kind != KIND_TENSORS:
             raise IntegrityError(f"manifest {manifest_hex[:16]} holds a file, not tensors")
         try:
-            tensors = await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
+            tensors = await trio.to_thread.run_sync(lambda: self.shardcast.load_tensors(manifest, verify=verify))
         except LocalStoreError:
             # Our own disk rotted, not the signer's bytes: the bad shard was dropped, so fetch it again.
             with trio.fail_after(timeout_s):
@@ -65,9 +76,12 @@ class Exchange:
             tensors = await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
         return manifest, tensors
 
-    async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float) -> bytes:
-        manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s)
-        return compute.payload_bytes(manifest, tensors, numel)
+    async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float, *,
+                             kept: dict[int, set[bytes]], round_: int):
+        """(manifest, the int8 payload as a uint8 view), remembered under ``round_`` in ``kept`` for release."""
+        kept.setdefault(round_, set()).add(bytes.fromhex(manifest_hex))
+        manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False)
+        return manifest, compute.payload_view(manifest, tensors, numel)
 
     def _slice_numel(self, slice_index: int) -> int:
         a, b = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)[slice_index]
@@ -75,25 +89,58 @@ class Exchange:
 
     # -- publishing ------------------------------------------------------------------------------
 
-    async def publish_payload(self, data: bytes, label: str) -> str:
-        m = await self.shardcast.publish_tensors(compute.payload_tensor(data), label=label)
-        return _manifest_hex(m)
+    async def publish_payload(self, data: bytearray, label: str) -> str:
+        """One int8 payload as a one-tensor manifest, published straight from its buffer."""
+        return _manifest_hex(await self._publish_payload(data, label))
+
+    async def _publish_payload(self, data: bytearray, label: str) -> Manifest:
+        entries, _ = layout_tensors([(compute.PAYLOAD, "uint8", (len(data),))])
+        return await self.shardcast.publish_blob(data, entries, label=label, durable=False)
+
+    async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
+        """The trainer's Δ for ``round_``, int8-encoded slice by slice and published: one manifest id per slice."""
+        delta = await trio.to_thread.run_sync(load_named, delta_path)
+        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
+        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}") for s, p in enumerate(payloads)]
+        self._slices.setdefault(round_, set()).update(bytes.fromhex(i) for i in ids)
+        return ids
 
     async def publish_state(self, state: compute.OuterState, label: str) -> str:
-        m = await self.shardcast.publish_tensors(state.state_tensors(), label=label)
+        """θ and the outer state for joiners and dissenters; the previous state published here is released
+        (the checkpoint, not the store, is what survives a crash)."""
+        m = await self.shardcast.publish_tensors(state.state_tensors(), label=label, durable=False)
+        await self._keep_state(manifest_id(m))
         return _manifest_hex(m)
+
+    async def _keep_state(self, mid: bytes) -> None:
+        self._states = [s for s in self._states if s != mid] + [mid]
+        old, self._states = self._states[:-KEEP_STATES], self._states[-KEEP_STATES:]
+        if old:
+            await self.shardcast.release(old)
+
+    async def collect(self, applied_round: int) -> None:
+        """Release what the rounds before ``applied_round`` needed: slices a round after they are applied (a slow
+        aggregator may still be fetching), aggregates two (a follower one round behind applies them)."""
+        done = [r for r in self._slices if r < applied_round]
+        done_aggregates = [r for r in self._aggregates if r < applied_round - 1]
+        ids = set().union(*(self._slices.pop(r) for r in done), *(self._aggregates.pop(r) for r in done_aggregates))
+        if ids:
+            await self.shardcast.release(ids)
 
     # -- aggregation -----------------------------------------------------------------------------
 
     async def aggregate(self, job: Aggregate) -> Aggregated | None:
         """Fetch slice ``job.slice`` from every producer, verify, average and store it (None: nothing arrived)."""
         numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
-        got: dict[str, tuple[bytes, int]] = {}
+        got: dict[str, tuple[object, int]] = {}
+        sources: dict[str, Manifest] = {}
 
         async def one(update) -> None:
             try:
-                data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel, deadline_s)
+                manifest, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
+                                                           deadline_s, kept=self._slices, round_=job.round)
                 got[update.producer] = (data, update.samples)
+                sources[update.producer] = manifest
             except RemoteProtocolError as exc:
                 log.warning("task %s round %d: slice %d from %s rejected: %s", self.tid[:12], job.round,
                             job.slice, update.producer, exc)
@@ -109,18 +156,28 @@ class Exchange:
             return None
         try:
             # Decoded once, here, where it is combined: a slice that does not decode is its producer's fault.
-            data, result_hash, bad = await trio.to_thread.run_sync(compute.aggregate, got, numel)
+            data, bad = await trio.to_thread.run_sync(compute.aggregate_payload, got, numel)
         except IntegrityError as exc:
             log.warning("task %s round %d: slice %d not aggregated: %s", self.tid[:12], job.round, job.slice, exc)
-            return None
+            bad, data = list(got), None
         for producer in bad:
-            self.penalize(producer, "corrupt_shard")
+            # Read without re-hashing; before blaming the producer, make sure our own disk did not rot its bytes.
+            if await trio.to_thread.run_sync(self._intact, sources[producer]):
+                self.penalize(producer, "corrupt_shard")
         included = tuple(sorted(p for p in got if p not in bad))
-        if not included:
+        if data is None or not included:
             return None
-        manifest_id_ = await self.publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")
-        return Aggregated(round=job.round, slice=job.slice, included=included, manifest_id=manifest_id_,
-                          result_hash=result_hash)
+        m = await self._publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")
+        self._aggregates.setdefault(job.round, set()).add(manifest_id(m))
+        return Aggregated(round=job.round, slice=job.slice, included=included, manifest_id=_manifest_hex(m),
+                          result_hash=payload_hash(m, data))
+
+    def _intact(self, manifest: Manifest) -> bool:
+        try:
+            self.shardcast.load_tensors(manifest, verify=True)
+            return True
+        except LocalStoreError:
+            return False
 
     async def apply(self, state: compute.OuterState, job: Apply) -> compute.OuterState:
         """θ_{r+1}: the chosen aggregates through the outer step, or θ_r again when the round failed."""
@@ -129,16 +186,17 @@ class Exchange:
         if not job.chosen:
             log.warning("task %s round %d failed: %s; keeping the weights", self.tid[:12], job.round, job.reason)
             return kept
-        payloads: list[bytes | None] = [None] * len(job.chosen)
+        payloads: list = [None] * len(job.chosen)
 
         async def one(i: int) -> None:
             chosen = job.chosen[i]
             for candidate in (chosen, *(job.same[i] if job.same else ())):
                 try:
-                    data = await self._fetch_payload(candidate.manifest_id, candidate.aggregator,
-                                                     self._slice_numel(chosen.slice), self.spec.round_deadline_s)
+                    manifest, data = await self._fetch_payload(
+                        candidate.manifest_id, candidate.aggregator, self._slice_numel(chosen.slice),
+                        self.spec.round_deadline_s, kept=self._aggregates, round_=job.round)
                     # The store verified every shard on arrival; this checks the aggregator's claim.
-                    if hashlib.sha256(data).hexdigest() != chosen.result_hash:
+                    if payload_hash(manifest, data) != chosen.result_hash:
                         raise IntegrityError("aggregate does not match its announced hash")
                     payloads[i] = data
                     return
@@ -155,8 +213,10 @@ class Exchange:
             # Our weights will differ from the vote's winner; the vote then re-syncs us.
             log.warning("task %s round %d: an aggregate could not be fetched", self.tid[:12], job.round)
             return kept
-        return await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads,
-                                             state.work + round_work(job.chosen))
+        new = await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads,
+                                            state.work + round_work(job.chosen))
+        await self.collect(job.round)
+        return new
 
     async def fetch_initial(self, manifest_hex: str) -> dict:
         """The spec's initial weights: a tensors manifest, or a file manifest of a safetensors file.
@@ -174,7 +234,6 @@ class Exchange:
         path = self.dir / "init.safetensors"
 
         def load() -> dict:
-            from node.train.diloco import load_named
             self.shardcast.export_file(manifest, path)
             try:
                 return load_named(path)
@@ -196,10 +255,15 @@ class Exchange:
             if not source.state_manifest or source.peer_id == self.me:
                 continue
             try:
-                _, tensors = await self._fetch(source.state_manifest, source.peer_id, self.spec.round_deadline_s)
-                return await trio.to_thread.run_sync(lambda: compute.state_from_tensors(
+                m, tensors = await self._fetch(source.state_manifest, source.peer_id, self.spec.round_deadline_s,
+                                               verify=False)
+                state = await trio.to_thread.run_sync(lambda: compute.state_from_tensors(
                     self.spec, head.round, tensors, weights_hash_=head.weights_hash, state_hash=head.state_hash,
                     work=head.work))
+                # Served from here until our own next state; whatever came before head.round is done with.
+                await self._keep_state(manifest_id(m))
+                await self.collect(head.round - 1)
+                return state
             except RemoteProtocolError as exc:
                 self.penalize(source.peer_id, "corrupt_shard")
                 log.warning("weights from %s rejected: %s", source.peer_id, exc)
@@ -261,4 +325,13 @@ class Exchange:
 
 def _manifest_hex(m: Manifest) -> str:
     return manifest_id(m).hex()
+
+
+def payload_hash(manifest: Manifest, data) -> str:
+    """sha256 of a one-tensor payload (bytes-like or a uint8 tensor). A payload that is exactly one shard has
+    that shard's hash, which the store checked where the bytes arrived or were made: no second pass over them."""
+    if manifest.num_shards == 1 and manifest.total_bytes == len(data) and len(manifest.tensors) == 1 \
+            and manifest.tensors[0].offset == 0:
+        return manifest.shard_hashes[0].hex()
+    return hashlib.sha256(compute.tensor_bytes(data) if hasattr(data, "data_ptr") else data).hexdigest()
 

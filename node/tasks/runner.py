@@ -21,7 +21,6 @@ from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
-from node.train.diloco import load_named
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
 from protocol.envelope import open_sealed, seal
@@ -335,10 +334,7 @@ class TaskRunner:
         result = await self._train(job.round, list(job.members))
         self._round_train_s[job.round] = result.seconds
         self.train_s += result.seconds
-        delta = await trio.to_thread.run_sync(load_named, result.out_path)
-        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
-        ids = [await self.exchange.publish_payload(p, f"task/{self.tid[:12]}/r{job.round}/u{s}")
-               for s, p in enumerate(payloads)]
+        ids = await self.exchange.publish_update(Path(result.out_path), job.round)
         return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
                        losses=tuple(x for _, x in result.losses[-8:]))
 
@@ -355,8 +351,9 @@ class TaskRunner:
                        state_manifest=state_id, eval_loss=eval_loss)
 
     async def _hold(self, state: compute.OuterState) -> float:
-        """Make ``state`` this node's: checkpoint it (the trainer reads θ_r from there), then evaluate it."""
-        await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
+        """Make ``state`` this node's: its weights file now (the trainer reads θ_r from there), the rest of the
+        checkpoint in a thread of its own (compute.save_weights), then evaluate it."""
+        await trio.to_thread.run_sync(compute.save_weights, self.dir, state)
         self.state = state
         return await self._evaluate() if self.trainer is not None else float("nan")
 

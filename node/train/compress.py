@@ -66,39 +66,113 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
-def encode_int8(flat: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
-    q, scales = quantize_int8(flat, block_size)
-    return tensor_bytes(scales) + tensor_bytes(q)
+def encode_int8(flat: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> bytearray:
+    """The layout above, built chunk by chunk into one buffer: quantize_int8's bits without its full-size temporaries."""
+    _check_flat(flat)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    writer = Int8Writer(flat.numel(), block_size)
+    flat = flat.contiguous()
+    step = CHUNK_BLOCKS * block_size
+    for lo in range(0, flat.numel(), step):
+        writer.write(lo, flat[lo:lo + step])
+    return writer.out
 
 
-def check_int8(data: bytes, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-    """ValueError unless decode_int8 would accept ``data``; reads only the scales (1/64 of the bytes)."""
-    expected = encoded_size(numel, block_size)
-    if len(data) != expected:
-        raise ValueError(f"int8 payload for {numel} values is {expected} bytes, got {len(data)}")
-    split = 4 * num_blocks(numel, block_size)
-    if split:
-        scales = torch.frombuffer(bytearray(data[:split]), dtype=torch.float32)
-        if not (torch.isfinite(scales).all() and (scales >= 0).all()):
+CHUNK_BLOCKS = 4096
+"""Blocks per chunk of the streaming coders: 1M values at the default block size, a few MB of temporaries."""
+
+
+def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor) -> None:
+    """quantize_int8 on whole blocks, written into the caller's views: the same operations, so the same bits."""
+    if not torch.isfinite(blocks).all():
+        raise ValueError("cannot quantize non-finite values (nan or inf in the update)")
+    scales = blocks.abs().amax(dim=1) / _QMAX
+    scales_out.copy_(scales)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q_out.copy_(torch.round(blocks / safe[:, None]).clamp_(-_QMAX, _QMAX))
+
+
+class Int8Writer:
+    """Builds one encode_int8 payload from consecutive block-aligned runs of values (see encode_int8)."""
+
+    def __init__(self, numel: int, block_size: int = DEFAULT_BLOCK_SIZE):
+        self.numel, self.block_size = numel, block_size
+        self.out = bytearray(encoded_size(numel, block_size))
+        split = 4 * num_blocks(numel, block_size)
+        self._scales = torch.frombuffer(self.out, dtype=torch.float32, count=split // 4) if split else None
+        self._q = torch.frombuffer(self.out, dtype=torch.int8, offset=split) if numel else None
+
+    def write(self, lo: int, values: torch.Tensor) -> None:
+        """Values ``lo .. lo + len(values)``; ``lo`` starts a block, and only the last run may end mid-block."""
+        bs, n = self.block_size, values.numel()
+        assert lo % bs == 0 and lo + n <= self.numel and (n % bs == 0 or lo + n == self.numel)
+        if n == 0:
+            return
+        b0, full = lo // bs, n // bs
+        if full:
+            _quantize_blocks(values[:full * bs].view(full, bs), self._scales[b0:b0 + full],
+                             self._q[lo:lo + full * bs].view(full, bs))
+        rest = n - full * bs
+        if rest:
+            padded = torch.zeros(1, bs, dtype=torch.float32)
+            padded[0, :rest] = values[full * bs:]
+            q = torch.empty(1, bs, dtype=torch.int8)
+            _quantize_blocks(padded, self._scales[b0 + full:b0 + full + 1], q)
+            self._q[lo + full * bs:].copy_(q.view(-1)[:rest])
+
+
+class Int8Payload:
+    """One encode_int8 payload viewed in place (bytes-like or a uint8 tensor, never copied unless read-only),
+    checked once, decoded range by range into the caller's scratch buffer."""
+
+    def __init__(self, data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE):
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        expected = encoded_size(numel, block_size)
+        if len(data) != expected:
+            raise ValueError(f"int8 payload for {numel} values is {expected} bytes, got {len(data)}")
+        self.numel, self.block_size = numel, block_size
+        if isinstance(data, torch.Tensor):
+            raw = data.reshape(-1).view(torch.uint8)
+        elif numel:
+            raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+        else:
+            raw = torch.zeros(0, dtype=torch.uint8)
+        split = 4 * num_blocks(numel, block_size)
+        # The scales sit at the payload's start, so an aligned buffer gives an aligned float32 view.
+        self.scales = raw[:split].view(torch.float32) if split else torch.zeros(0)
+        self.q = raw[split:].view(torch.int8)
+        if split and not (torch.isfinite(self.scales).all() and (self.scales >= 0).all()):
             raise ValueError("int8 payload has a negative or non-finite block scale")
 
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A buffer big enough for decode of any ``numel`` values (whole covering blocks)."""
+        return torch.empty((numel // self.block_size + 2) * self.block_size, dtype=torch.float32)
 
-def decode_int8(data: bytes, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    def decode(self, lo: int, hi: int, scratch: torch.Tensor) -> torch.Tensor:
+        """float32 values lo .. hi, as dequantize_int8 computes them, in a view of ``scratch``."""
+        bs = self.block_size
+        b0, b1 = lo // bs, -(-hi // bs)
+        span = scratch[:(b1 - b0) * bs]
+        have = min(self.numel, b1 * bs) - b0 * bs
+        span[:have].copy_(self.q[b0 * bs:b0 * bs + have])
+        span[have:].zero_()
+        span.view(-1, bs).mul_(self.scales[b0:b1, None])
+        return span[lo - b0 * bs:hi - b0 * bs]
+
+
+def check_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """ValueError unless decode_int8 would accept ``data``; reads only the scales (1/64 of the bytes)."""
+    Int8Payload(data, numel, block_size)
+
+
+def decode_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """Inverse of encode_int8; a wrong length or a negative or non-finite scale is a ValueError."""
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    expected = encoded_size(numel, block_size)
-    if len(data) != expected:
-        raise ValueError(f"int8 payload for {numel} values is {expected} bytes, got {len(data)}")
+    payload = Int8Payload(data, numel, block_size)
     if numel == 0:
         return torch.zeros(0, dtype=torch.float32)
-    buf = bytearray(data)
-    split = 4 * num_blocks(numel, block_size)
-    scales = torch.frombuffer(buf, dtype=torch.float32, count=split // 4)
-    q = torch.frombuffer(buf, dtype=torch.int8, offset=split)
-    if not (torch.isfinite(scales).all() and (scales >= 0).all()):
-        raise ValueError("int8 payload has a negative or non-finite block scale")
-    return dequantize_int8(q, scales, block_size)
+    return payload.decode(0, numel, payload.scratch(numel))
 
 
 class ErrorFeedback:

@@ -146,19 +146,23 @@ _ST_DTYPES = {
 }
 
 
-def save_named(path: str | os.PathLike, named: Named, metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file atomically: temp file, fsync, rename, fsync of the directory.
+def save_named(path: str | os.PathLike, named: Named, metadata: dict[str, str] | None = None, *,
+               durable: bool = True) -> None:
+    """Write a safetensors file atomically: temp file, fsync, rename, fsync of the directory (``durable=False``:
+    no fsyncs, for a caller that fsyncs the file itself later).
 
     The writer is these few lines because safetensors' own saver needs numpy, which Shoal does
     not depend on; reading goes through safetensors, which checks the layout.
     """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    blobs, offset = [], 0
+    blobs, keep, offset = [], [], 0
     for name in sorted(named):
         t = named[name].detach().cpu().contiguous()
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code here")
-        raw = tensor_bytes(t)
+        # A view of the tensor's memory, not a copy: it is written straight from there.
+        raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()) if t.numel() else b""
+        keep.append(t)
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
@@ -173,11 +177,13 @@ def save_named(path: str | os.PathLike, named: Named, metadata: dict[str, str] |
             for raw in blobs:
                 f.write(raw)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def load_named(path: str | os.PathLike) -> Named:
