@@ -660,19 +660,16 @@ class TaskMachine:
                 else:
                     # At once only while the round cannot have closed anywhere: members that already
                     # gathered it without us would pick other aggregators than we do.
-                    lead = 1 if self._closing(ev.head) else 0
+                    lead = 1 if self._closing(ev.head.round) else 0
                 self.produce_from = ev.head.round + lead
                 effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=self.produce_from)))
         self._forget_before(ev.head.round)
         return effects + self._begin(now)
 
-    def _closing(self, head: Head) -> bool:
-        """Round head.round may be closing somewhere: enough updates from its base, or an aggregate, seen."""
-        rec = self.rounds_seen.get(head.round)
-        if rec is None:
-            return False
-        return bool(rec.aggregates) or sum(
-            1 for u in rec.updates.values() if u.base_hash == head.weights_hash) >= self.min_members
+    def _closing(self, r: int) -> bool:
+        """Round r (from the weights we hold) may be closing somewhere: min_members updates, or an aggregate, seen."""
+        rec = self.rounds_seen.get(r)
+        return rec is not None and (bool(rec.aggregates) or self._underway(r) >= self.min_members)
 
     def _on_SyncFailed(self, ev: SyncFailed, now: float) -> list[Effect]:
         assert self.stage is Stage.SYNCING, "SyncFailed unasked"
