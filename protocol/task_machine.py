@@ -14,9 +14,11 @@ so rounds can overlap and phases can be inserted (scoring before gathering) by a
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
+from protocol.heard import HeardLog
 from protocol.round import Head, aggregators, best_head, choose_aggregate, round_work, vote
 from protocol.task import AggregateAnnounce, TaskJoin, UpdateAnnounce, WeightsAnnounce
 
@@ -277,10 +279,21 @@ class TaskMachine:
     _joined_zero: bool = False
     _blocked: dict[str, float] = field(default_factory=dict)
     _follow_after_sync: bool | None = True
-    _members_cache: dict[int, tuple[list[str], set[str]]] = field(default_factory=dict)
+    _members_cache: dict[int, tuple[list[str], set[str], int, int]] = field(default_factory=dict)
+    """Per round: (members, as a set, the heartbeat and the liveness changes they were computed at)."""
     _started: bool = False
     _best: Head | None = None
     _best_dirty: bool = True
+    _best_seen: tuple[int, int] = (-1, -1)
+    """The heartbeat and liveness changes ``_best`` was computed at."""
+    _shared: HeardLog | None = None
+    """Heartbeats kept once for many machines (share_heard); peers in it count from after ``_since``."""
+    _since: float = float("-inf")
+    _heard_at: list[tuple[float, str]] = field(default_factory=list)
+    """(time, peer) for each update of ``heard``, a heap: when a peer heard only there goes quiet."""
+    _own_changes: int = 0
+    _heartbeats: int = 0
+    """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _zero_joins: set[str] = field(default_factory=set)
     _sync_round: int = -1
     """The round of the weights being fetched: the message window follows it while syncing."""
@@ -307,24 +320,78 @@ class TaskMachine:
     # -- liveness and membership -----------------------------------------------------------------
 
     def live(self, peer: str, now: float) -> bool:
+        if peer == self.self_id:
+            return True
         t = self.heard.get(peer)
-        return peer == self.self_id or (t is not None and now - t < self.quiet_after_s)
+        if t is not None and now - t < self.quiet_after_s:
+            return True
+        if self._shared is None:
+            return False
+        t = self._shared.times.get(peer)
+        return t is not None and t > self._since and now - t < self.quiet_after_s
+
+    def last_heard(self, peer: str) -> float | None:
+        t = self.heard.get(peer)
+        if self._shared is not None and (s := self._shared.times.get(peer)) is not None and s > self._since \
+                and (t is None or s > t):
+            return s
+        return t
 
     def set_heard(self, last_heard: dict[str, float], now: float) -> list[Effect]:
         """When each peer was last heard (heartbeats); quiet members stop being waited for."""
         for peer, t in last_heard.items():
             if t > self.heard.get(peer, float("-inf")):
                 self.heard[peer] = t
+                heapq.heappush(self._heard_at, (t, peer))
+        self._forget_liveness(now)
+        return self.tick(now)
+
+    def share_heard(self, log: HeardLog, now: float) -> None:
+        """Read heartbeats from now on from ``log``, kept once for every machine that hears the same peers.
+
+        The caller writes each heartbeat into the log and then calls heard_again() on each machine,
+        which decides as set_heard() with those times would, without a dict of every peer per machine.
+        What an earlier log said stays heard (a node moved across a partition heard its old side until now)."""
+        assert log.quiet_after_s == self.quiet_after_s, "a log counts liveness with another quiet window"
+        if self._shared is not None:
+            for peer, t in self._shared.times.items():
+                if t > self._since and t > self.heard.get(peer, float("-inf")):
+                    self.heard[peer] = t
+                    heapq.heappush(self._heard_at, (t, peer))
+        self._shared, self._since = log, now
+        log.count_from(now)
+        self._forget_liveness(now)
+
+    def heard_again(self, now: float) -> list[Effect]:
+        """The shared log was written at ``now`` (a heartbeat): what set_heard() does, in the time of the
+        peers whose liveness changed (results from before are kept where no peer's did)."""
+        self._heartbeats += 1
+        return self.tick(now)
+
+    def _forget_liveness(self, now: float) -> None:
         self._members_cache.clear()
         self._best_dirty = True
-        return self.tick(now)
+        self._live_changes(now)
+
+    def _live_changes(self, now: float) -> int:
+        """How often some peer's liveness changed so far: equal counts at two times mean none did in between."""
+        heap, heard, shared, quiet = self._heard_at, self.heard, self._shared, self.quiet_after_s
+        while heap and now - heap[0][0] >= quiet:
+            t, peer = heapq.heappop(heap)
+            if heard.get(peer) == t:
+                s = shared.times.get(peer) if shared is not None else None
+                if s is None or s <= self._since or s < t:
+                    self._own_changes += 1  # quiet here, and the shared log does not hear it later
+        return self._own_changes + (shared.changes(now) if shared is not None else 0)
 
     def _heard_now(self, peer: str, now: float) -> None:
         if now > self.heard.get(peer, float("-inf")):
             if not self.live(peer, now):
                 self._members_cache.clear()
                 self._best_dirty = True
+                self._own_changes += 1
             self.heard[peer] = now
+            heapq.heappush(self._heard_at, (now, peer))
 
     def _on_history(self, peer: str, rec: RoundState) -> bool:
         """The peer holds θ_r of our history: it sent an update from our base, its last weights are our
@@ -340,13 +407,18 @@ class TaskMachine:
         """Live peers on our history for round r (and this node if it produces), at most max_members."""
         cached = self._members_cache.get(rec.index)
         if cached is not None:
-            return cached[0]
+            if cached[2] == self._heartbeats:
+                return cached[0]
+            if cached[3] == self._live_changes(now):
+                self._members_cache[rec.index] = (cached[0], cached[1], self._heartbeats, cached[3])
+                return cached[0]
+        seen = self._live_changes(now)
         peers = set(self.position) | set(rec.updates)
         out = {p for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec)}
         if rec.producing:
             out.add(self.self_id)
         ordered = sorted(out)[: self.max_members]
-        self._members_cache[rec.index] = (ordered, set(ordered))
+        self._members_cache[rec.index] = (ordered, set(ordered), self._heartbeats, seen)
         return ordered
 
     def _prospective(self, r: int, base: Head, now: float) -> int:
@@ -429,7 +501,10 @@ class TaskMachine:
                 times.append(rec.started_at + self.round_deadline_s)
                 if rec.republish_at is not None:
                     times.append(rec.republish_at)
-                waited = [p for p in self._members_cache.get(rec.index, ([], ()))[0] if p not in rec.updates]
+                cached = self._members_cache.get(rec.index)
+                # One from before the latest heartbeat is as set_heard would have left it: cleared.
+                fresh = cached is not None and cached[2] == self._heartbeats
+                waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
@@ -437,8 +512,8 @@ class TaskMachine:
                 times.append(rec.applied_at + self.round_deadline_s)
                 waited = [p for p in rec.members if p not in rec.weights]
             # Only members still live count: one already quiet is no longer waited for.
-            times += [t for p in waited if p in self.heard and p != self.self_id
-                      and (t := self.heard[p] + self.quiet_after_s) > self._now]
+            times += [t + self.quiet_after_s for p in waited if p != self.self_id
+                      and (t := self.last_heard(p)) is not None and t + self.quiet_after_s > self._now]
         # A time already passed was decided by the tick at it (a round stuck below min_members waits
         # for events, not for its deadline again).
         return min((t for t in times if t > self._now), default=None)
@@ -498,7 +573,7 @@ class TaskMachine:
             self.latest[msg.peer_id] = msg
             if self._best is not None and self._best.peer_id == msg.peer_id:
                 self._best_dirty = True  # the best peer moved: maybe to something worse
-            elif not self._best_dirty and self._usable(msg, now):
+            elif not self._best_stale(now) and self._usable(msg, now):
                 head = Head.of(msg)
                 if self._best is None or head.rank() < self._best.rank():
                     self._best = head
@@ -603,11 +678,21 @@ class TaskMachine:
     def _usable(self, w: WeightsAnnounce, now: float) -> bool:
         return bool(w.state_manifest) and w.weights_hash not in self._blocked and self.live(w.peer_id, now)
 
+    def _best_stale(self, now: float) -> bool:
+        if not self._best_dirty and self._best_seen[0] != self._heartbeats:
+            if self._best_seen[1] == self._live_changes(now):
+                self._best_seen = (self._heartbeats, self._best_seen[1])
+            else:
+                self._best_dirty = True
+        return self._best_dirty
+
     def _best_known(self, now: float) -> Head | None:
         """The best live peer's head, kept between calls: recomputed only when liveness or a best peer changed."""
-        if self._best_dirty:
+        if self._best_stale(now):
+            seen = self._live_changes(now)
             self._best = best_head(Head.of(w) for w in self.latest.values() if self._usable(w, now))
             self._best_dirty = False
+            self._best_seen = (self._heartbeats, seen)
         elif self._best is not None and not self.live(self._best.peer_id, now):
             self._best_dirty = True
             return self._best_known(now)

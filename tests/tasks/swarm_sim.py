@@ -11,6 +11,7 @@ import heapq
 import itertools
 from collections import deque
 
+from protocol.heard import HeardLog
 from protocol.round import Head
 from protocol.task import TaskJoin, WeightsAnnounce
 from protocol.task_machine import (Aggregate, Aggregated, Applied, Apply, Dissent, FetchState, Finished,
@@ -44,6 +45,8 @@ class Swarm:
         self.queue: deque = deque()
         self.machines: dict[str, TaskMachine] = {}
         self.group: dict[str, int] = {}
+        self.logs: dict[int, HeardLog] = {}
+        """Per partition group, its heartbeats: written once, read by every machine in the group."""
         self.dead: set[str] = set()
         self.lie = set(lie)
         self.mute: set[str] = set()
@@ -71,6 +74,7 @@ class Swarm:
         self.group.setdefault(name, 0)
         self.dead.discard(name)
         self.history.setdefault(name, {})
+        m.share_heard(self._log(self.group[name]), self.now)
         self._heartbeat(only=name)
         self.handle(name, m.start(saved, self.now))
 
@@ -84,10 +88,23 @@ class Swarm:
         for g, names in enumerate(groups):
             for n in names:
                 self.group[n] = g
+        self._new_logs()
 
     def heal(self) -> None:
         for n in self.group:
             self.group[n] = 0
+        self._new_logs()
+
+    def _log(self, group: int) -> HeardLog:
+        if group not in self.logs:
+            self.logs[group] = HeardLog(QUIET_S)
+        return self.logs[group]
+
+    def _new_logs(self) -> None:
+        """Each group hears only its own from now on; what a machine heard before stays heard."""
+        self.logs = {}
+        for n in self.alive():
+            self.machines[n].share_heard(self._log(self.group[n]), self.now)
 
     def alive(self):
         return [n for n in self.machines if n not in self.dead]
@@ -169,11 +186,15 @@ class Swarm:
 
     def _heartbeat(self, only: str | None = None) -> None:
         alive = self.alive()
-        targets = [only] if only else alive
-        for n in targets:
-            g = self.group[n]
-            heard = {p: self.now for p in alive if self.group[p] == g and p != n}
-            self.handle(n, self.machines[n].set_heard(heard, self.now))
+        if only:
+            g = self.group[only]
+            heard = {p: self.now for p in alive if self.group[p] == g and p != only}
+            self.handle(only, self.machines[only].set_heard(heard, self.now))
+            return
+        for p in alive:
+            self._log(self.group[p]).hear(p, self.now)
+        for n in alive:
+            self.handle(n, self.machines[n].heard_again(self.now))
 
     def advance(self, seconds: float) -> None:
         """Move the clock, waking machines at their deadlines and hearing heartbeats every HEARTBEAT_S."""
