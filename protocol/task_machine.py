@@ -385,7 +385,8 @@ class TaskMachine:
         return self._own_changes + (shared.changes(now) if shared is not None else 0)
 
     def _heard_now(self, peer: str, now: float) -> None:
-        if now > self.heard.get(peer, float("-inf")):
+        t = self.heard.get(peer)
+        if t is None or now > t:
             if not self.live(peer, now):
                 self._members_cache.clear()
                 self._best_dirty = True
@@ -567,20 +568,21 @@ class TaskMachine:
             return []
         self._heard_now(msg.peer_id, now)
         old = self.latest.get(msg.peer_id)
-        if old == msg and self.stage is Stage.RUNNING:
+        same = old is not None and old == msg
+        if same and self.stage is Stage.RUNNING:
             return []  # a re-announcement: nothing new
         if old is None or msg.round >= old.round:
             self.latest[msg.peer_id] = msg
-            if self._best is not None and self._best.peer_id == msg.peer_id:
+            best = self._best
+            if best is not None and best.peer_id == msg.peer_id:
                 self._best_dirty = True  # the best peer moved: maybe to something worse
-            elif not self._best_stale(now) and self._usable(msg, now):
-                head = Head.of(msg)
-                if self._best is None or head.rank() < self._best.rank():
-                    self._best = head
+            elif not self._best_stale(now) and self._usable(msg, now) and (
+                    best is None or (-msg.work, -(msg.round + 1), msg.weights_hash) < best.rank()):
+                self._best = Head.of(msg)  # Head.rank() of it, without building the Head for every vote
         pos = self.position.get(msg.peer_id)
         # Weights only move a peer forward (a joiner announces the rounds it follows before the one it
         # joins at), and a re-announcement of weights seen before never undoes a later join.
-        if old != msg and (pos is None or msg.round + 1 >= pos[0]):
+        if not same and (pos is None or msg.round + 1 >= pos[0]):
             if pos != (msg.round + 1, msg.weights_hash):
                 self.position[msg.peer_id] = (msg.round + 1, msg.weights_hash)
                 self._members_cache.clear()

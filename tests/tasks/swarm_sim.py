@@ -46,6 +46,7 @@ class Swarm:
         self.machines: dict[str, TaskMachine] = {}
         self.group: dict[str, int] = {}
         self.logs: dict[int, HeardLog] = {}
+        self._groups: dict[int, list[tuple[str, TaskMachine]]] = {}
         """Per partition group, its heartbeats: written once, read by every machine in the group."""
         self.dead: set[str] = set()
         self.lie = set(lie)
@@ -73,6 +74,7 @@ class Swarm:
         self.announced.pop(name, None)
         self.group.setdefault(name, 0)
         self.dead.discard(name)
+        self._groups.clear()
         self.history.setdefault(name, {})
         m.share_heard(self._log(self.group[name]), self.now)
         self._heartbeat(only=name)
@@ -80,6 +82,15 @@ class Swarm:
 
     def kill(self, name: str) -> None:
         self.dead.add(name)
+        self._groups.clear()
+
+    def _in_group(self, group: int) -> list[tuple[str, TaskMachine]]:
+        """The live machines of a group, in the order they were added: who a broadcast reaches."""
+        found = self._groups.get(group)
+        if found is None:
+            found = self._groups[group] = [(n, m) for n, m in self.machines.items()
+                                           if n not in self.dead and self.group[n] == group]
+        return found
 
     def restart(self, name: str) -> None:
         self.add(name, self.saved.get(name))
@@ -88,11 +99,13 @@ class Swarm:
         for g, names in enumerate(groups):
             for n in names:
                 self.group[n] = g
+        self._groups.clear()
         self._new_logs()
 
     def heal(self) -> None:
         for n in self.group:
             self.group[n] = 0
+        self._groups.clear()
         self._new_logs()
 
     def _log(self, group: int) -> HeardLog:
@@ -177,7 +190,14 @@ class Swarm:
                 if isinstance(item, Synced):
                     self.history[who][item.head.round - 1] = item.head.weights_hash
                 continue
-            for n in (self.machines if only is None else only):
+            if only is None:
+                for n, m in self._in_group(group):
+                    if n != who:
+                        effects = m.handle(item, self.now)
+                        if effects:
+                            self.handle(n, effects)
+                continue
+            for n in only:
                 m = self.machines[n]
                 if n != who and n not in self.dead and self.group[n] == group:
                     effects = m.handle(item, self.now)
