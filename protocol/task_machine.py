@@ -248,6 +248,9 @@ class RoundState:
     my_update: UpdateAnnounce | None = None
     republish_at: float | None = None
     waiting_votes: list[str] | None = None
+    updated_of: list[str] | None = None
+    updated: int = 0
+    """How many of the members list ``updated_of``, from the first, have sent their update."""
 
 
 @dataclass(kw_only=True)
@@ -387,7 +390,7 @@ class TaskMachine:
     def _heard_now(self, peer: str, now: float) -> None:
         t = self.heard.get(peer)
         if t is None or now > t:
-            if not self.live(peer, now):
+            if (t is None or now - t >= self.quiet_after_s) and not self.live(peer, now):
                 self._members_cache.clear()
                 self._best_dirty = True
                 self._own_changes += 1
@@ -480,9 +483,10 @@ class TaskMachine:
         if self.stage is Stage.FAILED or not self._started:
             return []
         effects: list[Effect] = []
-        for until in [h for h, t in self._blocked.items() if t <= now]:
-            del self._blocked[until]
-            self._best_dirty = True
+        if self._blocked:
+            for until in [h for h, t in self._blocked.items() if t <= now]:
+                del self._blocked[until]
+                self._best_dirty = True
         rec = self.rounds_seen.get(self.current)
         if self.stage is Stage.RUNNING and rec is not None:
             effects += self._advance(rec, now)
@@ -794,6 +798,7 @@ class TaskMachine:
         for producer in [p for p, u in rec.updates.items() if u.base_hash != self.head.weights_hash]:
             del rec.updates[producer]
             self.dropped["wrong_base"] += 1
+        rec.updated_of = None
         self._members_cache.pop(r, None)
         self.detail = ""
         if rec.producing:
@@ -828,8 +833,9 @@ class TaskMachine:
 
     def _check_collect(self, rec: RoundState, now: float) -> list[Effect]:
         members = self.members(rec, now)
-        # The length test first keeps a 1,000-member round linear in its messages.
-        everyone = len(rec.updates) >= len(members) and all(p in rec.updates for p in members)
+        # The length test first, and the scan resumed where it last stopped (updates are only added),
+        # keep a 1,000-member round linear in its messages.
+        everyone = len(rec.updates) >= len(members) and self._updated_count(rec, members) == len(members)
         if not everyone and now < rec.started_at + self.round_deadline_s:
             return []
         if len(rec.updates) < self.min_members:
@@ -854,6 +860,14 @@ class TaskMachine:
             if self.self_id in rec.aggregators[s]:
                 effects.append(Aggregate(rec.index, s, updates))
         return effects + self._check_gather(rec, now)
+
+    @staticmethod
+    def _updated_count(rec: RoundState, members: list[str]) -> int:
+        i = rec.updated if rec.updated_of is members else 0
+        while i < len(members) and members[i] in rec.updates:
+            i += 1
+        rec.updated_of, rec.updated = members, i
+        return i
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
