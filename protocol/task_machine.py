@@ -248,6 +248,9 @@ class RoundState:
     my_update: UpdateAnnounce | None = None
     republish_at: float | None = None
     waiting_votes: list[str] | None = None
+    updated_of: list[str] | None = None
+    updated: int = 0
+    """How many of the members list ``updated_of``, from the first, have sent their update."""
 
 
 @dataclass(kw_only=True)
@@ -389,7 +392,7 @@ class TaskMachine:
     def _heard_now(self, peer: str, now: float) -> None:
         t = self.heard.get(peer)
         if t is None or now > t:
-            if not self.live(peer, now):
+            if (t is None or now - t >= self.quiet_after_s) and not self.live(peer, now):
                 self._members_cache.clear()
                 self._best_dirty = True
                 self._own_changes += 1
@@ -483,9 +486,10 @@ class TaskMachine:
         if self.stage is Stage.FAILED or not self._started:
             return []
         effects: list[Effect] = []
-        for until in [h for h, t in self._blocked.items() if t <= now]:
-            del self._blocked[until]
-            self._best_dirty = True
+        if self._blocked:
+            for until in [h for h, t in self._blocked.items() if t <= now]:
+                del self._blocked[until]
+                self._best_dirty = True
         rec = self.rounds_seen.get(self.current)
         if self.stage is Stage.RUNNING and rec is not None:
             effects += self._advance(rec, now)
@@ -580,7 +584,7 @@ class TaskMachine:
             return []
         self._heard_now(msg.peer_id, now)
         old = self.latest.get(msg.peer_id)
-        same = old is not None and old == msg
+        same = old is msg or (old is not None and old == msg)  # the same object: a simulation's broadcast
         if same and self.stage is Stage.RUNNING:
             return []  # a re-announcement: nothing new
         if old is None or msg.round >= old.round:
@@ -804,6 +808,7 @@ class TaskMachine:
         for producer in [p for p, u in rec.updates.items() if u.base_hash != self.head.weights_hash]:
             del rec.updates[producer]
             self.dropped["wrong_base"] += 1
+        rec.updated_of = None
         self._members_cache.pop(r, None)
         self.detail = ""
         effects: list[Effect] = []
@@ -853,8 +858,9 @@ class TaskMachine:
 
     def _check_collect(self, rec: RoundState, now: float) -> list[Effect]:
         members = self.members(rec, now)
-        # The length test first keeps a 1,000-member round linear in its messages.
-        everyone = len(rec.updates) >= len(members) and all(p in rec.updates for p in members)
+        # The length test first, and the scan resumed where it last stopped (updates are only added),
+        # keep a 1,000-member round linear in its messages.
+        everyone = len(rec.updates) >= len(members) and self._updated_count(rec, members) == len(members)
         if not everyone and now < rec.started_at + self.round_deadline_s:
             # A gossip message lost on a loaded link would leave a live member waiting out the
             # deadline for an update that was sent: while we wait, ours goes out again every quiet window.
@@ -887,6 +893,14 @@ class TaskMachine:
             return []
         mine = [a[self.self_id] for _, a in sorted(rec.aggregates.items()) if self.self_id in a]
         return [Publish(rec.my_update), *(Publish(m) for m in mine)]
+
+    @staticmethod
+    def _updated_count(rec: RoundState, members: list[str]) -> int:
+        i = rec.updated if rec.updated_of is members else 0
+        while i < len(members) and members[i] in rec.updates:
+            i += 1
+        rec.updated_of, rec.updated = members, i
+        return i
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)

@@ -250,8 +250,8 @@ class Swarm:
                     msg = self.announced.get(n)
                     if msg is None:
                         continue
-                    to = [p for p in alive if self.machines[p].stage is not Stage.RUNNING
-                          or self.machines[p].latest.get(n) != msg]
+                    to = [p for p in alive if (m := self.machines[p]).stage is not Stage.RUNNING
+                          or ((seen := m.latest.get(n)) is not msg and seen != msg)]
                     if to:
                         self.queue.append(("msg", n, msg, self.group[n], to))
             for n in self.alive():

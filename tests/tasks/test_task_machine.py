@@ -228,7 +228,7 @@ def test_sixty_nodes_with_joins_deaths_restarts_and_a_healing_partition_agree():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1200)  # 741 s (330 s of CPU) on a shared 2-core machine at load 6-20
 def test_a_thousand_nodes_with_joins_deaths_restarts_and_a_healing_partition_agree():
     import random
     names = [f"node-{i:04d}" for i in range(1000)]
