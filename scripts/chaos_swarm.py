@@ -149,7 +149,7 @@ class Chaos:
         if not gaps:
             raise RuntimeError("the quiet task closed too few rounds to time one")
         failed = self.failed_rounds(self.run.task_id)
-        quiet = {"task": self.run.task_id, "rounds_seconds": gaps, "round_seconds": statistics.median(gaps),
+        quiet = {"task": self.run.task_id, "rounds_seconds": gaps, "round_seconds": round(statistics.median(gaps), 2),
                  "rounds_failed": len(failed)}
         log(f"quiet round: {quiet['round_seconds']:.2f} s (rounds {gaps}); {len(failed)} failed", self.started)
         return quiet
