@@ -492,7 +492,9 @@ class TaskMachine:
                 self._best_dirty = True
         rec = self.rounds_seen.get(self.current)
         if self.stage is Stage.RUNNING and rec is not None:
-            effects += self._advance(rec, now)
+            # A round stuck below min_members past its deadline gives way to a better head by time
+            # too: a swarm that finished or stalled sends no new weights that would trigger it.
+            effects += self._overtaken(rec, now) or self._advance(rec, now)
         elif self.stage in (Stage.LISTENING, Stage.PAUSED, Stage.DONE):
             effects += self._begin(now)
         return effects

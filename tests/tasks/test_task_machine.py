@@ -361,3 +361,21 @@ def test_an_update_lost_on_the_way_to_one_member_is_sent_again_within_a_quiet_wi
     closed = [sim.closed_by[(n, 2)] - sim.closed_by[(n, 1)] for n in names]
     assert max(closed) <= TRAIN_S + QUIET_S + HEARTBEAT_S, "the aggregator waited out the deadline for a lost update"
     assert not sim.disagreements() and len(final_hashes(sim)) == 1
+
+
+def test_a_node_stuck_below_min_members_after_the_others_finished_takes_their_weights_at_its_deadline():
+    class Deaf(Swarm):
+        """Gossip that never brings d the others' updates of round 2."""
+
+        def broadcast(self, sender, msg) -> None:
+            if type(msg).__name__ == "UpdateAnnounce" and msg.round == 2 and sender != "d":
+                self.queue.append(("msg", sender, msg, self.group[sender], [n for n in self.machines if n != "d"]))
+                return
+            super().broadcast(sender, msg)
+
+    sim = Deaf(["a", "b", "c", "d"], rounds=3, min_members=3)
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in "abc"), 3 * DEADLINE_S)
+    # The others finished and only re-announce their last weights; d's round 2 cannot close, and
+    # nothing new will arrive: at its deadline it must take their weights rather than wait for good.
+    sim.run_until(lambda: sim.machines["d"].stage is Stage.DONE, 2 * DEADLINE_S)
+    assert len(final_hashes(sim)) == 1
