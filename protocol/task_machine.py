@@ -721,8 +721,18 @@ class TaskMachine:
         if best is None or (self.head is not None and (best.same_weights(self.head)
                                                         or best.rank() >= self.head.rank())):
             return None
+        if self.head is not None and (best.work, best.round) == (self.head.work, self.head.round) \
+                and self._holders(best, now) < self._holders(self.head, now) + 1:
+            # Equal work at the same round: the hash alone must not overrule a round's vote (a dissenter
+            # whose outer step went wrong would win on a smaller hash); the weights more live nodes hold
+            # win, and only between equal groups (a healed 2-2 split) the smaller hash.
+            return None
         return best, tuple(Head.of(w) for w in self.latest.values()
                            if self._usable(w, now) and Head.of(w).same_weights(best))
+
+    def _holders(self, head: Head, now: float) -> int:
+        """Live peers whose latest announcement is ``head``'s weights."""
+        return sum(1 for p, w in self.latest.items() if self.live(p, now) and Head.of(w).same_weights(head))
 
     def _sync(self, best: Head, sources: tuple[Head, ...], reason: str, *, follow: bool | None) -> list[Effect]:
         """``follow``: join JOIN_LEAD_ROUNDS ahead (True), or as soon as the round allows (False, or None
@@ -805,6 +815,15 @@ class TaskMachine:
         self._forget_before(r)
         rec = self._round(r)
         assert rec is not None
+        if rec.phase is not None:
+            # Round r again, from other weights: this node abandoned it for a history with more work at
+            # the same round. The messages stay; what this node did from its old weights does not.
+            updates = {p: u for p, u in rec.updates.items() if u.base_hash == self.head.weights_hash}
+            aggregates = {s: {a: m for a, m in got.items() if set(m.included) <= set(updates)}
+                          for s, got in rec.aggregates.items()}
+            rec = self.rounds_seen[r] = RoundState(index=r, updates=updates, aggregates=aggregates,
+                                                   weights=dict(rec.weights))
+            self._members_cache.pop(r, None)
         rec.base, rec.started_at = self.head, now
         rec.producing = r >= self.produce_from
         for producer in [p for p, u in rec.updates.items() if u.base_hash != self.head.weights_hash]:

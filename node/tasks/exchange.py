@@ -31,7 +31,10 @@ AGGREGATE_FETCH_SHARE = 0.5
 what arrived. Members gather for one round deadline: a producer that announced and then died (a SIGKILL)
 or stalls must cost the slice its contribution, not make the aggregate miss that deadline everywhere."""
 KEEP_STATES = 2
-"""States kept for joiners: the newest, and the one before it that a joiner may be half-way through fetching."""
+"""States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
+STATE_RETENTION_DEADLINES = 2.0
+"""A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
+deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
 
 
 class Exchange:
@@ -50,8 +53,9 @@ class Exchange:
         """Manifests of each round's update slices here (ours and fetched), released a round after it is applied."""
         self._aggregates: dict[int, set[bytes]] = {}
         """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
-        self._states: list[bytes] = []
-        """The states published or fetched here, newest last: the last KEEP_STATES are served to joiners."""
+        self.state_retention_s = STATE_RETENTION_DEADLINES * spec.round_deadline_s
+        self._states: list[tuple[bytes, float]] = []
+        """The states published or fetched here with the time each was kept, newest last (see _keep_state)."""
 
     # -- fetching with verification ------------------------------------------------------------
 
@@ -113,10 +117,15 @@ class Exchange:
         return _manifest_hex(m)
 
     async def _keep_state(self, mid: bytes) -> None:
-        self._states = [s for s in self._states if s != mid] + [mid]
-        old, self._states = self._states[:-KEEP_STATES], self._states[-KEEP_STATES:]
+        """Keep ``mid`` as the newest state; release the ones past KEEP_STATES that were superseded more than
+        STATE_RETENTION_DEADLINES round deadlines ago."""
+        now = trio.current_time()
+        states = [(s, t) for s, t in self._states if s != mid] + [(mid, now)]
+        # states[i] was superseded when states[i + 1] was kept.
+        old = {s for i, (s, _) in enumerate(states[:-KEEP_STATES]) if now - states[i + 1][1] >= self.state_retention_s}
+        self._states = [(s, t) for s, t in states if s not in old]
         if old:
-            await self.shardcast.release(old)
+            await self.shardcast.release(sorted(old))
 
     async def collect(self, applied_round: int) -> None:
         """Release what the rounds before ``applied_round`` needed: slices a round after they are applied (a slow

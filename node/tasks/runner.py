@@ -354,8 +354,10 @@ class TaskRunner:
         """Make ``state`` this node's: its weights file now (the trainer reads θ_r from there), the rest of the
         checkpoint in a thread of its own (compute.save_weights), then evaluate it."""
         await trio.to_thread.run_sync(compute.save_weights, self.dir, state)
+        eval_loss = await self._evaluate() if self.trainer is not None else float("nan")
+        # Only now: work redone after a trainer restart (_work) must start from the state it started from.
         self.state = state
-        return await self._evaluate() if self.trainer is not None else float("nan")
+        return eval_loss
 
     async def _fetch_state(self, job: FetchState):
         state = await self.exchange.fetch_state(job.head, job.sources, self.state)

@@ -379,3 +379,35 @@ def test_a_node_stuck_below_min_members_after_the_others_finished_takes_their_we
     # nothing new will arrive: at its deadline it must take their weights rather than wait for good.
     sim.run_until(lambda: sim.machines["d"].stage is Stage.DONE, 2 * DEADLINE_S)
     assert len(final_hashes(sim)) == 1
+
+
+def test_a_round_abandoned_for_a_better_history_at_the_same_round_opens_again_from_its_weights():
+    # Stuck below min_members in round 5, the node takes a peer's θ_5 with more work: round 5 opens
+    # again from those weights (it crashed on the closed record of the abandoned attempt).
+    from protocol.round import Head
+    from protocol.task import TaskJoin, UpdateAnnounce, WeightsAnnounce
+    from protocol.task_machine import FetchState, Synced, TaskMachine, Train, Trained
+    W5, S5, W5X, S5X, MX, U, UX = ("%02x" % i * 32 for i in range(1, 8))
+    m = TaskMachine(task_id=TASK, self_id="a", rounds=10, num_slices=1, aggregators_per_slice=1, round_deadline_s=10.0,
+                    quiet_after_s=3.0, listen_s=0.0, min_members=2, max_members=8, max_samples=100)
+    m.set_heard({"b": 0.0}, 0.0)
+    m.handle(TaskJoin(task_id=TASK, peer_id="b", round=5), 0.0)
+    effects = m.start(Head(round=5, weights_hash=W5, state_hash=S5, work=10), 0.0)
+    assert any(isinstance(e, Train) for e in effects)
+    m.handle(Trained(round=5, samples=8, manifest_ids=(U,), losses=(1.0,)), 1.0)
+    m.set_heard({"b": 10.0}, 10.5)  # b is live but never sends its update: the round is stuck below min_members
+    better = WeightsAnnounce(task_id=TASK, round=4, peer_id="x", weights_hash=W5X, state_hash=S5X,
+                             state_manifest=MX, eval_loss=1.0, work=50)
+    m.set_heard({"b": 11.0, "x": 11.0}, 11.0)
+    effects = m.handle(better, 11.0)
+    fetch = [e for e in effects if isinstance(e, FetchState)]
+    assert fetch and fetch[0].head.weights_hash == W5X, effects
+    effects = m.handle(Synced(head=fetch[0].head), 12.0)
+    assert m.stage.value == "running" and m.current == 5
+    trains = [e for e in effects if isinstance(e, Train)]
+    assert trains and trains[0].base_hash == W5X, effects
+    rec = m.rounds_seen[5]
+    assert rec.base.weights_hash == W5X and "a" not in rec.updates  # our update from w5 is gone
+    m.handle(UpdateAnnounce(task_id=TASK, round=5, producer="x", base_hash=W5X, samples=8, manifest_ids=(UX,),
+                            losses=()), 12.5)
+    assert set(rec.updates) == {"x"}
