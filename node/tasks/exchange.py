@@ -54,6 +54,7 @@ class Exchange:
         self._aggregates: dict[int, set[bytes]] = {}
         """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
         self.state_retention_s = STATE_RETENTION_DEADLINES * spec.round_deadline_s
+        self._aggregates_done_at: dict[int, float] = {}
         self._states: list[tuple[bytes, float]] = []
         """The states published or fetched here with the time each was kept, newest last (see _keep_state)."""
 
@@ -129,10 +130,19 @@ class Exchange:
 
     async def collect(self, applied_round: int) -> None:
         """Release what the rounds before ``applied_round`` needed: slices a round after they are applied (a slow
-        aggregator may still be fetching), aggregates two (a follower one round behind applies them)."""
+        aggregator may still be fetching), aggregates two rounds and state_retention_s after (followers apply them)."""
+        now = trio.current_time()
         done = [r for r in self._slices if r < applied_round]
-        done_aggregates = [r for r in self._aggregates if r < applied_round - 1]
-        ids = set().union(*(self._slices.pop(r) for r in done), *(self._aggregates.pop(r) for r in done_aggregates))
+        # Aggregates also outlive their two rounds by state_retention_s: a joiner that synced a few short
+        # rounds behind follows them, and must find them.
+        for r in self._aggregates:
+            if r < applied_round - 1:
+                self._aggregates_done_at.setdefault(r, now)
+        done_aggregates = [r for r, t in self._aggregates_done_at.items() if now - t >= self.state_retention_s]
+        for r in done_aggregates:
+            del self._aggregates_done_at[r]
+        ids = set().union(*(self._slices.pop(r) for r in done),
+                          *(self._aggregates.pop(r, set()) for r in done_aggregates))
         if ids:
             await self.shardcast.release(ids)
 
