@@ -35,7 +35,7 @@ def load_task(directory: Path) -> tuple[TaskSpec, str]:
 
 def _card(spec: TaskSpec, tid: str, initiator: str, meta: dict, rows: list[dict], mode: str) -> str:
     last = rows[-1] if rows else {}
-    losses = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    losses = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
     return "\n".join([
         f"# {spec.name}", "",
         f"Trained by a Shoal swarm (recipe `{spec.recipe}`, method `{spec.hf.method}`), exported as {mode}.", "",

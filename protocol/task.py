@@ -343,7 +343,8 @@ class WeightsAnnounce:
     weights_hash: str
     state_hash: str
     state_manifest: str
-    eval_loss: float
+    eval_loss: float | None
+    """Held-out loss of these weights; None from a node that applied the round only to catch up."""
     work: int
     """Contributions applied in the history behind these weights (producers summed over rounds):
     after a partition heals, the history with more work wins."""
@@ -355,7 +356,7 @@ class WeightsAnnounce:
         _need(0 <= self.work < 2**53, "work out of range")
         _need(_is_hex_hash(self.weights_hash) and _is_hex_hash(self.state_hash), "hashes must be hex sha256")
         _need(self.state_manifest == "" or _is_hex_hash(self.state_manifest), "state_manifest must be a hex id")
-        _need(_finite(self.eval_loss), "eval_loss must be finite")
+        _need(self.eval_loss is None or _finite(self.eval_loss), "eval_loss must be finite")
 
 
 @message(tag=29)

@@ -76,7 +76,7 @@ PHASES: dict[tuple[Phase | None, str], Phase] = {
 
 KEEP_ROUNDS = 4
 """Rounds of messages kept behind the current one."""
-AHEAD_ROUNDS = 2
+AHEAD_ROUNDS = 8
 """Messages up to this many rounds ahead are buffered (a faster peer), further ones dropped."""
 JOIN_LEAD_ROUNDS = 2
 """A node that synced follows this many rounds before it produces, so every member counts it from
@@ -112,7 +112,7 @@ class Applied:
     weights_hash: str
     state_hash: str
     state_manifest: str
-    eval_loss: float
+    eval_loss: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,6 +176,8 @@ class Apply:
     chosen: tuple[AggregateAnnounce, ...]
     same: tuple[tuple[AggregateAnnounce, ...], ...] = ()
     reason: str = ""
+    behind: bool = False
+    """A round followed to catch up (the swarm holds later weights): no evaluation on the way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +306,8 @@ class TaskMachine:
     """The latest ``now`` the caller passed in (next_deadline takes none)."""
     _resumed: bool = False
     """Started from its own checkpoint and has not opened a round since."""
+    _declared: bool = False
+    """``produce_from`` was announced in a TaskJoin (members count this node from it)."""
 
     # -- the tables ------------------------------------------------------------------------------
 
@@ -471,7 +475,7 @@ class TaskMachine:
         self.detail = "listening for the swarm's weights"
         if saved is None:
             return self._begin(now)
-        self._resumed = True
+        self._resumed = self._declared = True
         # Counted from the round it resumes: peers stop waiting for an older incarnation's update.
         return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=saved.round)), *self._begin(now)]
 
@@ -667,7 +671,7 @@ class TaskMachine:
                     # At once only while the round cannot have closed anywhere: members that already
                     # gathered it without us would pick other aggregators than we do.
                     lead = 1 if self._closing(ev.head.round) else 0
-                self.produce_from = ev.head.round + lead
+                self.produce_from, self._declared = ev.head.round + lead, True
                 effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=self.produce_from)))
         self._forget_before(ev.head.round)
         return effects + self._begin(now)
@@ -779,14 +783,18 @@ class TaskMachine:
         return effects + self._open(r, now)
 
     def _can_follow(self, best: Head) -> bool:
-        """A follower one round behind that holds that round's updates from its weights catches up by
-        applying the round, which is quicker than fetching the weights again (by which time the swarm
-        is ahead once more, and the joiner would never get to train)."""
-        if self.stage is not Stage.RUNNING or self.head is None or best.round != self.head.round + 1 \
-                or self.head.round >= self.produce_from:
+        """A joiner a few rounds behind that holds those rounds' messages catches up by applying them, which
+        is quicker than fetching the weights again: by the time a fetch that outlasts a round ends, the
+        swarm is ahead once more, and a joiner that fetched again would chase it and never train."""
+        if self.stage is not Stage.RUNNING or self.head is None or self.head.round > self.produce_from \
+                or not 1 <= best.round - self.head.round <= AHEAD_ROUNDS:
             return False
         rec = self.rounds_seen.get(self.head.round)
-        return rec is not None and any(u.base_hash == self.head.weights_hash for u in rec.updates.values())
+        if rec is None or not any(u.base_hash == self.head.weights_hash for u in rec.updates.values()):
+            return False
+        # Each later round's updates were seen too (their base is checked when the round opens).
+        return all(self.rounds_seen.get(r) is not None and self.rounds_seen[r].updates
+                   for r in range(self.head.round + 1, best.round))
 
     def _begin_fresh(self, now: float) -> list[Effect]:
         if self.stage is not Stage.LISTENING:
@@ -796,7 +804,7 @@ class TaskMachine:
         if not (fresh or now >= self._listen_until):
             return []
         if not self._joined_zero:
-            self._joined_zero = True
+            self._joined_zero = self._declared = True
             effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=0)))
         # Counting live joiners only once enough have joined keeps a 1,000-node start linear.
         count = 1 + len(self._zero_joins)
@@ -837,14 +845,35 @@ class TaskMachine:
             # Restarted into a round the others have already trained (they closed it without us or
             # would wait for our whole retraining): follow it and produce from the next one. Counted
             # from the round we actually resume, nobody waits for us; below min_members they need us.
-            self.produce_from, rec.producing = r + 1, False
+            self.produce_from, rec.producing, self._declared = r + 1, False, True
             effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r + 1)))
         self._resumed = False
+        if rec.producing and r == self.produce_from and not effects:
+            effects = self._first_round(rec)
         if rec.producing:
             self._move(rec, "train")
-            return [Train(r, self.head.weights_hash, tuple(self.members(rec, now))), *self._advance(rec, now)]
+            return [*effects, Train(r, self.head.weights_hash, tuple(self.members(rec, now))), *self._advance(rec, now)]
         self._move(rec, "follow")
         return effects + self._advance(rec, now)
+
+    def _first_round(self, rec: RoundState) -> list[Effect]:
+        """A joiner at the round it produces from: train it, unless the swarm trained it without us."""
+        r = rec.index
+        if self._declared:
+            # Members count us from the declared round and wait for our update there; only a round
+            # they already closed (aggregates or weights of it seen) went on without us.
+            late = bool(rec.aggregates) or bool(rec.weights)
+        else:
+            late = self._closing(r)
+        if late:
+            # Follow this round too, and declare the next one when it opens: a join declared now for
+            # a round still behind the swarm would count us where nobody waits any more.
+            self.produce_from, self._declared, rec.producing = r + 1, False, False
+            return []
+        if self._declared:
+            return []
+        self._declared = True
+        return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r))]
 
     def _underway(self, r: int) -> int:
         """Peers' updates for round r from our weights already seen: the round is trained without us."""
@@ -863,6 +892,8 @@ class TaskMachine:
         stuck = rec.phase is Phase.COLLECTING and now >= rec.started_at + self.round_deadline_s
         if better is None or (not stuck and better[0].round <= rec.index + 1):
             return []
+        if not rec.producing and not stuck and self._can_follow(better[0]):
+            return []  # a joiner catching up on the rounds it holds the messages of
         self._move(rec, "abandon")
         return self._sync(*better, f"the swarm finished round {rec.index} without us", follow=not stuck)
 
@@ -950,7 +981,8 @@ class TaskMachine:
         rec.chosen = tuple(chosen)
         same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
                      for c in chosen)
-        return [Apply(rec.index, rec.chosen, same)]
+        best = self._best_known(now) if not rec.producing else None
+        return [Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
 
     def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
         voters = rec.weights

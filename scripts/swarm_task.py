@@ -119,6 +119,8 @@ class TaskRun:
                 row = rounds.setdefault(entry["round"], {"round": entry["round"], "eval_loss": entry["eval_loss"],
                                                          "members": entry["members"], "weights_hash_by_node": {}})
                 row["weights_hash_by_node"][peer] = entry["weights_hash"]
+                if row["eval_loss"] is None:
+                    row["eval_loss"] = entry.get("eval_loss")  # a joiner's caught-up rows are not evaluated
         for row in rounds.values():
             row["hashes_agree"] = len(set(row["weights_hash_by_node"].values())) == 1
         libp2p, task_bytes, utilization = {}, {}, {}

@@ -110,7 +110,7 @@ function renderTask(t) {
   const tb = el("tbody");
   for (const a of [...(t.agreement || [])].reverse()) {
     tb.append(row([a.round, el("td", {class: a.agreed ? "yes" : "no", text: a.caught_up ? "caught up" : a.agreed ? "yes" : "no"}),
-      a.peers_agreeing ?? "-", a.members, a.eval_loss.toFixed(4), a.train_s.toFixed(1), a.round_s.toFixed(1),
+      a.peers_agreeing ?? "-", a.members, a.eval_loss == null ? "-" : a.eval_loss.toFixed(4), a.train_s.toFixed(1), a.round_s.toFixed(1),
       el("td", {class: "mono", text: a.weights_hash.slice(0, 10)})]));
   }
   rounds.append(tb);

@@ -69,7 +69,7 @@ class TaskRunner:
         self.detail = ""
         self.agreement: list[dict] = history.load(directory)
         """One row per round this node closed or caught up to, kept on disk across restarts."""
-        self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if "eval_loss" in a]
+        self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if a.get("eval_loss") is not None]
         self.dissents: list[dict] = []
         self.latest_weights: bytes = b""
         self.corpus_path: Path | None = None
@@ -77,7 +77,7 @@ class TaskRunner:
         self._bytes_at_start = (0, 0)
         self._round_started: dict[int, float] = {}
         self._round_train_s: dict[int, float] = {}
-        self._eval: dict[int, float] = {}
+        self._eval: dict[int, float | None] = {}
         self._history_lock = trio.Lock()
         self.train_s = 0.0
         """Seconds the trainer child reported training, all rounds together."""
@@ -343,18 +343,21 @@ class TaskRunner:
 
     async def _apply(self, job: Apply) -> Applied:
         new = await self.exchange.apply(self.state, job)
-        eval_loss = await self._hold(new)
+        # A round followed only to catch up is not evaluated: the evaluation would make the joiner
+        # slower than the swarm's rounds, and it would never catch up.
+        eval_loss = await self._hold(new, evaluate=not job.behind)
         self._eval[job.round] = eval_loss
-        self.eval_losses.append((job.round, eval_loss))
+        if eval_loss is not None:
+            self.eval_losses.append((job.round, eval_loss))
         state_id = await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
         return Applied(round=job.round, weights_hash=new.weights_hash(), state_hash=new.state_hash(),
                        state_manifest=state_id, eval_loss=eval_loss)
 
-    async def _hold(self, state: compute.OuterState) -> float:
+    async def _hold(self, state: compute.OuterState, *, evaluate: bool) -> float | None:
         """Make ``state`` this node's: its weights file now (the trainer reads θ_r from there), the rest of the
-        checkpoint in a thread of its own (compute.save_weights), then evaluate it."""
+        checkpoint in a thread of its own (compute.save_weights), then evaluate it (None: not evaluated)."""
         await trio.to_thread.run_sync(compute.save_weights, self.dir, state)
-        eval_loss = await self._evaluate() if self.trainer is not None else float("nan")
+        eval_loss = await self._evaluate() if evaluate and self.trainer is not None else None
         # Only now: work redone after a trainer restart (_work) must start from the state it started from.
         self.state = state
         return eval_loss
@@ -364,12 +367,12 @@ class TaskRunner:
         if state is None:
             return SyncFailed(head=job.head, reason="no source delivered matching weights")
         if state is not self.state:
-            eval_loss = await self._hold(state)
+            # Not evaluated: a fetch is how a node catches up, and the swarm does not wait meanwhile.
+            await self._hold(state, evaluate=False)
             self.agreement.append({"round": job.head.round - 1, "weights_hash": job.head.weights_hash[:16],
                                    "agreed": True, "caught_up": True, "peers_agreeing": len(job.sources),
-                                   "eval_loss": round(eval_loss, 4), "members": len(job.sources) + 1,
+                                   "eval_loss": None, "members": len(job.sources) + 1,
                                    "round_s": 0.0, "train_s": 0.0})
-            self.eval_losses.append((job.head.round - 1, eval_loss))
             self._record_history()
         return Synced(head=job.head)
 
@@ -397,16 +400,17 @@ class TaskRunner:
         now = trio.current_time()
         round_s = now - self._round_started.pop(e.round, now)
         self.rounds_s += round_s
-        eval_loss = self._eval.pop(e.round, float("nan"))
+        eval_loss = self._eval.pop(e.round, None)
         self.agreement.append({"round": e.round, "weights_hash": e.weights_hash[:16], "agreed": e.agreed,
                                "peers_agreeing": e.num_agree if e.agreed else None,
-                               "eval_loss": round(eval_loss, 4), "members": e.members,
+                               "eval_loss": None if eval_loss is None else round(eval_loss, 4), "members": e.members,
                                "round_s": round(round_s, 2), "train_s": round(self._round_train_s.pop(e.round, 0.0), 2),
                                # Wall time, so rounds closed on different nodes (or incarnations) line up.
                                "closed_at": round(time.time(), 3), **({"failed": True} if e.failed else {})})
         self._record_history()
-        log.info("task %s round %d done: eval loss %.4f, weights %s (%s)", self.tid[:12], e.round, eval_loss,
-                 e.weights_hash[:16], "agreed" if e.agreed else "re-syncing")
+        log.info("task %s round %d done: eval loss %s, weights %s (%s)", self.tid[:12], e.round,
+                 "-" if eval_loss is None else f"{eval_loss:.4f}", e.weights_hash[:16],
+                 "agreed" if e.agreed else "re-syncing")
 
     def _record_history(self) -> None:
         self._nursery.start_soon(self._save_history)

@@ -94,6 +94,29 @@ def test_a_late_joiner_whose_fetch_outlasts_rounds_follows_the_buffered_rounds_a
     assert trained and max(trained) == 15, trained
 
 
+@pytest.mark.parametrize("rounds_per_fetch", [3, 7])
+def test_a_joiner_whose_fetch_outlasts_several_rounds_follows_them_all_instead_of_fetching_again(rounds_per_fetch):
+    # The weights take several rounds to fetch (a slow link, rounds of seconds): each fetch again would
+    # end as far behind as the first, and the joiner would chase the swarm to the end without training.
+    sim = Swarm(["a", "b", "c"], rounds=16, sync_s=rounds_per_fetch * TRAIN_S)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.add("e")
+    sim.run_until(sim.all_done, 300)
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+    fetches = [e for n, e in sim.events if n == "e" and isinstance(e, FetchState)]
+    assert len(fetches) == 1, [f.head.round for f in fetches]
+    trained = sorted(e.round for n, e in sim.events if n == "e" and type(e).__name__ == "Train")
+    assert trained and trained == list(range(trained[0], 16)), trained
+    # It trains from the first round it can still count in, and says so before it trains.
+    joins = sim.join_msgs("e")
+    assert joins[-1].round == trained[0], (joins, trained)
+    # No round waited out its deadline for it.
+    assert [e.members for n, e in sim.closed if n == "a" and e.round == 15] == [4]
+    # Rounds followed only to catch up are applied without evaluation.
+    behind = [e for n, e in sim.events if n == "e" and isinstance(e, Apply) and e.behind]
+    assert behind
+
+
 def test_a_joiner_that_follows_slower_than_the_rounds_keeps_its_declared_round_and_trains():
     # Applying a followed round takes the joiner longer than a round takes the swarm: it is overtaken
     # while it follows, fetches the weights of the round it declared, and trains from there; declaring
