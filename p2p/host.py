@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import OrderedDict
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, AsyncIterator
@@ -396,6 +397,12 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     )
     max_rpc_bytes = max(1 << 20, 2 * config.max_gossip_bytes + GOSSIP_RPC_OVERHEAD_BYTES)
     pubsub = Pubsub(raw_host, gossipsub, strict_signing=True, max_inbound_rpc_size=max_rpc_bytes)
+    # Message ids are (publisher, sequence number), and py-libp2p starts the number at the clock's
+    # seconds, one per message: a node that published more than one message a second and restarts
+    # reuses numbers its previous incarnation sent, and its peers drop its new messages as already
+    # seen for the seen cache's lifetime (a restarted node was marked dead while it answered hellos,
+    # and its task messages were lost). go-libp2p starts at the clock's nanoseconds; so do we.
+    pubsub.counter = time.time_ns()
     fix_prune_backoff(gossipsub)
     offences = Offences()
     fix_inbound_slots(raw_host, offences)

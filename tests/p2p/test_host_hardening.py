@@ -125,3 +125,31 @@ async def test_publish_refuses_payloads_over_max_gossip_bytes(swarm):
         async with swarm.hosts(1, config=make_config(max_gossip_bytes=1024)) as (a,):
             with pytest.raises(ValueError):
                 await a.publish("t", b"x" * 1025)
+
+
+async def test_a_restarted_host_with_the_same_key_is_heard_at_once_after_a_burst_of_gossip():
+    # Gossip message ids are the publisher's id and a sequence number. py-libp2p starts the number at
+    # the clock's seconds and counts one per message, so a node that published more than one message a
+    # second and restarts reuses numbers its previous incarnation sent: its peers drop its new messages
+    # as already seen (for the seen cache's two minutes), and mark it dead while it answers hellos.
+    topic = "shoal-test/restart"
+    keypair = fresh_keypair()
+    with trio.fail_after(60):
+        async with open_host(fresh_keypair(), make_config()) as a:
+            received = a.subscribe(topic, None)
+            for incarnation in range(2):
+                async with open_host(keypair, make_config()) as b:
+                    b.subscribe(topic, None)
+                    await connect(b, a)
+                    await a.wait_for_topic_peer(topic, b.peer_id)
+                    await b.wait_for_topic_peer(topic, a.peer_id)
+                    for i in range(50):
+                        body = f"{incarnation}:{i}".encode()
+                        with trio.fail_after(10):
+                            while True:  # until the mesh takes b in: later messages go straight through
+                                await b.publish(topic, body)
+                                with trio.move_on_after(0.5 if i == 0 else 5.0):
+                                    while (await received.receive()).data != body:
+                                        pass
+                                    break
+                await wait_until(lambda: b.peer_id not in a.connected_peers(), timeout_s=10)
