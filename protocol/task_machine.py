@@ -752,7 +752,8 @@ class TaskMachine:
         if self.stage in (Stage.SYNCING, Stage.FAILED):
             return []
         better = self._better_head(now)
-        if better is not None and self._can_follow(better[0]):
+        following = better is not None and self._can_follow(better[0])
+        if following:
             better = None
         if better is not None:
             reason = "joining" if self.head is None else "the swarm's history has more work"
@@ -767,6 +768,10 @@ class TaskMachine:
             self._to("finish")
             self.detail = f"{self.rounds} rounds"
             return [] if was is Stage.DONE else [Finished(self.head.round)]
+        if following:
+            # The swarm closed this round already: follow it now. The members are counted in the rounds
+            # they hold, ahead of us, so the min_members count from our weights would pause us here.
+            return self._open(self.head.round, now)
         effects: list[Effect] = []
         if self.stage is Stage.LISTENING:
             peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items()
@@ -786,7 +791,7 @@ class TaskMachine:
         """A joiner a few rounds behind that holds those rounds' messages catches up by applying them, which
         is quicker than fetching the weights again: by the time a fetch that outlasts a round ends, the
         swarm is ahead once more, and a joiner that fetched again would chase it and never train."""
-        if self.stage is not Stage.RUNNING or self.head is None or self.head.round > self.produce_from \
+        if self.stage not in (Stage.RUNNING, Stage.PAUSED) or self.head is None or self.head.round > self.produce_from \
                 or not 1 <= best.round - self.head.round <= AHEAD_ROUNDS:
             return False
         rec = self.rounds_seen.get(self.head.round)

@@ -349,7 +349,9 @@ class TaskRunner:
         self._eval[job.round] = eval_loss
         if eval_loss is not None:
             self.eval_losses.append((job.round, eval_loss))
-        state_id = await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
+        # Nor is it offered to others (the swarm holds later weights): hashing and storing it would slow
+        # the catching-up again, and an announcement without a state manifest is never fetched from.
+        state_id = "" if job.behind else await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
         return Applied(round=job.round, weights_hash=new.weights_hash(), state_hash=new.state_hash(),
                        state_manifest=state_id, eval_loss=eval_loss)
 

@@ -52,7 +52,9 @@ def agreed_hashes(node) -> dict[int, str]:
     return {a["round"]: a["weights_hash"] for a in (node.status.get("task") or {}).get("agreement", [])}
 
 
-ROUNDS_WITH_LATE_JOINER = 14
+ROUNDS_WITH_LATE_JOINER = 18
+"""On a loaded 2-core machine a joiner's first fetch takes several rounds of seconds, and it follows
+those rounds (faster than the swarm trains them) before it can train: enough rounds are left for that."""
 
 
 @pytest.mark.timeout(240)

@@ -98,7 +98,7 @@ def test_a_late_joiner_whose_fetch_outlasts_rounds_follows_the_buffered_rounds_a
 def test_a_joiner_whose_fetch_outlasts_several_rounds_follows_them_all_instead_of_fetching_again(rounds_per_fetch):
     # The weights take several rounds to fetch (a slow link, rounds of seconds): each fetch again would
     # end as far behind as the first, and the joiner would chase the swarm to the end without training.
-    sim = Swarm(["a", "b", "c"], rounds=16, sync_s=rounds_per_fetch * TRAIN_S)
+    sim = Swarm(["a", "b", "c"], rounds=16, sync_s=rounds_per_fetch * TRAIN_S, min_members=3)
     sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
     sim.add("e")
     sim.run_until(sim.all_done, 300)
