@@ -38,7 +38,10 @@ def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN) -> 
     """The slice's aggregate under ``spec``, int8-encoded, and the producers left out because their slice did not
     decode or its norm is past MAX_NORM; IntegrityError when none is left."""
     if spec.rule == "mean" and spec.norm_bound == 0:
-        return compute.aggregate_payload(slices, numel)
+        try:
+            return compute.aggregate_payload(slices, numel)
+        except ValueError:
+            pass  # the mean overflowed float32: below, the slices past MAX_NORM are left out and blamed
     views, bad = {}, []
     for peer in sorted(slices):
         try:

@@ -141,3 +141,15 @@ def test_streaming_keeps_chunks_small(monkeypatch):
     agg = robust._Slices({p: compress.Int8Payload(v[0], numel) for p, v in honest(numel).items()}, numel,
                          [None] * 5)
     assert agg.stack.shape == (5, 2 * 256)
+
+
+def test_a_slice_that_overflows_the_plain_mean_is_left_out_not_fatal():
+    numel = 3 * 256
+    slices = honest(numel, peers=3)
+    huge = bytearray(slices["p1"][0])
+    huge[:4] = tensor_bytes(torch.tensor([3e38]))  # a valid payload whose values overflow float32 when decoded
+    with pytest.raises(ValueError):
+        compute.aggregate_payload({**slices, "p1": (huge, 13)}, numel)
+    out, bad = robust.aggregate_slice({**slices, "p1": (huge, 13)}, numel)
+    rest = {p: slices[p] for p in ("p0", "p2")}
+    assert bad == ["p1"] and bytes(out) == bytes(compute.aggregate_payload(rest, numel)[0])
