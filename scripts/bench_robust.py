@@ -19,7 +19,7 @@ Reported per setup (producers x attackers), rule and attack: the final held-out 
 against the same rule's clean run (%), and each rule's clean loss against the plain mean's (%).
 The default is chosen from these numbers (``choose``) and printed with them, as JSON on stdout.
 
-    python scripts/bench_robust.py --quick          # 4 producers, 1 attacker, 1 seed: ~2.5 min on 2 busy cores
+    python scripts/bench_robust.py --quick          # 4 producers, 1 attacker, 1 seed: ~3 min on 2 busy cores
     python scripts/bench_robust.py --json-out robust.json   # both setups, 2 seeds: ~26 min (docs/bench/robust.json)
 """
 
