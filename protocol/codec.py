@@ -27,14 +27,23 @@ _HINTS: dict[type, list[tuple[str, Any]]] = {}
 M = TypeVar("M")
 
 
-def message(tag: int):
-    """Register a frozen dataclass as a wire message with a fixed tag."""
+def message(tag: int, *, optional_tail: tuple[str, ...] = ()):
+    """Register a frozen dataclass as a wire message with a fixed tag.
+
+    ``optional_tail`` names the message's last fields (each with a default) that were added after it
+    first went on the wire: they are left off the end of the encoding while they hold their default,
+    so a message that does not use them encodes, and hashes, exactly as before they existed."""
 
     def register(cls: type[M]) -> type[M]:
         if tag in _REGISTRY and _REGISTRY[tag] is not cls:
             raise LocalProtocolError(f"message tag {tag} used by {_REGISTRY[tag].__name__} and {cls.__name__}")
         assert dataclasses.is_dataclass(cls), f"{cls.__name__} must be a dataclass"
+        fields = dataclasses.fields(cls)
+        tail = fields[len(fields) - len(optional_tail):] if optional_tail else ()
+        assert tuple(f.name for f in tail) == tuple(optional_tail), f"{cls.__name__}: optional_tail must be its last fields"
+        assert all(f.default is not dataclasses.MISSING for f in tail), "optional_tail fields need defaults"
         cls.TAG = tag  # type: ignore[attr-defined]
+        cls.OPTIONAL_TAIL = tuple(f.default for f in tail)  # type: ignore[attr-defined]
         _REGISTRY[tag] = cls
         return cls
 
@@ -52,7 +61,11 @@ def _fields(cls: type) -> list[tuple[str, Any]]:
 
 def _to_wire(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and hasattr(value, "TAG"):
-        return [value.TAG, *(_to_wire(getattr(value, name)) for name, _ in _fields(type(value)))]
+        values = [getattr(value, name) for name, _ in _fields(type(value))]
+        defaults, keep = type(value).OPTIONAL_TAIL, len(values)
+        while defaults and keep > len(values) - len(defaults) and values[keep - 1] == defaults[keep - 1 - len(values)]:
+            keep -= 1
+        return [value.TAG, *(_to_wire(v) for v in values[:keep])]
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -118,10 +131,14 @@ def _check(value: Any, hint: Any, where: str) -> Any:
 
 
 def _build(cls: type[M], values: list, where: str) -> M:
-    fields = _fields(cls)
-    if len(values) != len(fields):
+    fields, defaults = _fields(cls), cls.OPTIONAL_TAIL
+    if not len(fields) - len(defaults) <= len(values) <= len(fields):
         raise DecodeError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
     kwargs = {name: _check(v, hint, f"{where}.{name}") for (name, hint), v in zip(fields, values)}
+    if len(values) > len(fields) - len(defaults) and kwargs[fields[len(values) - 1][0]] == \
+            defaults[len(values) - 1 - len(fields)]:
+        # The encoder leaves a default tail off: one spelling per message, so one hash per message.
+        raise DecodeError(f"{cls.__name__}: {fields[len(values) - 1][0]} sent with its default value")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:

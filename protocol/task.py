@@ -22,6 +22,8 @@ MAX_TARGET_MODULES = 32
 MAX_PIN_CHARS = 64
 KNOWN_COMPRESSIONS = ("int8",)
 KNOWN_DEVICES = ("cpu", "cuda", "any")
+AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "centered_clip")
+MAX_NORM_BOUND = 100.0
 
 MAX_NAME_CHARS = 128
 MAX_ROUNDS = 1_000_000
@@ -168,7 +170,37 @@ class HFSpec:
         _need(_finite(self.dpo_beta) and 0 < self.dpo_beta <= 100, "hf.dpo_beta must be in (0, 100]")
 
 
-@message(tag=24)
+@message(tag=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AggregationSpec:
+    """How an aggregator combines the producers' copies of one slice (node/tasks/robust.py).
+
+    The defaults are the weighted mean with no bound: what a spec without this table has always
+    meant on the wire. A TOML spec that leaves the table out gets the measured default instead
+    (``_DEFAULTS``, README "Robust aggregation")."""
+
+    rule: str = "mean"
+    """"mean": weighted by samples; "trimmed_mean", "median": per coordinate, unweighted;
+    "centered_clip": one step of centered clipping around the coordinate-wise median, unweighted."""
+    trim_fraction: float = 0.25
+    """trimmed_mean: the share of producers dropped at each end of every coordinate (rounded down)."""
+    clip_radius: float = 1.0
+    """centered_clip: the radius, as a multiple of the median distance of the producers to the center."""
+    norm_bound: float = 0.0
+    """Before any rule, each producer's slice is scaled down to at most norm_bound x the median of that
+    slice's producer norms; 0 leaves the slices as they are."""
+
+    def __post_init__(self) -> None:
+        _need(self.rule in AGGREGATION_RULES, f"aggregation.rule {self.rule!r} is not one of {list(AGGREGATION_RULES)}")
+        _need(_finite(self.trim_fraction) and 0 < self.trim_fraction < 0.5, "aggregation.trim_fraction must be in (0, 0.5)")
+        _need(_finite(self.clip_radius) and 0 < self.clip_radius <= MAX_NORM_BOUND,
+              f"aggregation.clip_radius must be in (0, {MAX_NORM_BOUND:g}]")
+        _need(_finite(self.norm_bound) and (self.norm_bound == 0 or 1 <= self.norm_bound <= MAX_NORM_BOUND),
+              f"aggregation.norm_bound must be 0 (no bound) or within 1..{MAX_NORM_BOUND:g} (a multiple of the "
+              "median producer norm; below 1 it would shrink most honest updates)")
+
+
+@message(tag=24, optional_tail=("aggregation",))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSpec:
     """What to train and how; its hash is the task id, the initiator's signature is on the envelope."""
@@ -198,6 +230,9 @@ class TaskSpec:
     """SHARDCAST manifest id (hex) of the starting weights as named tensors; "" starts from ``seed``."""
     hf: HFSpec | None = None
     """The model of the hf-* recipes."""
+    aggregation: AggregationSpec = AggregationSpec()
+    """The aggregation rule and the norm bound; left off the wire at its default, so specs from before
+    it existed keep their encoding and their task id."""
 
     def __post_init__(self) -> None:
         # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
@@ -390,10 +425,12 @@ TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, D
 
 # -- TOML ----------------------------------------------------------------------------------------
 
-_SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec}
+_SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec,
+        "aggregation": AggregationSpec}
 _OPTIONAL_TABLES: dict[type, set[str]] = {
-    TaskSpec: {"model", "hf"}, DatasetSpec: {"manifest", "heldout_fraction"}, Requirements: {"torch_version"},
-    HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
+    TaskSpec: {"model", "hf", "aggregation"}, DatasetSpec: {"manifest", "heldout_fraction"},
+    Requirements: {"torch_version"}, HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
+    AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound"},
 }
 """Keys a TOML spec may leave out: tables that belong to other recipes, and fields with a default."""
 _DEFAULTS: dict[str, Any] = {
@@ -402,6 +439,9 @@ _DEFAULTS: dict[str, Any] = {
     "created_ms": 0, "round_deadline_s": 120.0, "init_manifest": "",
     "adamw": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "warmup_steps": 0},
     "requirements": {"min_memory_bytes": 0, "device": "any"},
+    # Chosen by scripts/bench_robust.py (README "Robust aggregation"): the smallest worst case over its attacks,
+    # at no cost to honest training.
+    "aggregation": {"rule": "centered_clip", "norm_bound": 2.0},
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from node.tasks import compute
+from node.tasks import compute, robust
 from node.train.diloco import load_named
 from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
@@ -175,7 +175,7 @@ class Exchange:
             return None
         try:
             # Decoded once, here, where it is combined: a slice that does not decode is its producer's fault.
-            data, bad = await trio.to_thread.run_sync(compute.aggregate_payload, got, numel)
+            data, bad = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel, self.spec.aggregation)
         except IntegrityError as exc:
             log.warning("task %s round %d: slice %d not aggregated: %s", self.tid[:12], job.round, job.slice, exc)
             bad, data = list(got), None

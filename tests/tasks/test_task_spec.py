@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import pytest
 
 from protocol.codec import decode, encode
 from protocol.envelope import open_sealed, seal
 from protocol.errors import ConfigError, DecodeError, SignatureError
 from protocol.keys import Keypair
-from protocol.task import (AggregateAnnounce, TaskJoin, TaskSpec, UpdateAnnounce, WeightsAnnounce, load_spec_toml,
-                           task_id)
+from protocol.task import (AggregateAnnounce, AggregationSpec, TaskJoin, TaskSpec, UpdateAnnounce, WeightsAnnounce,
+                           load_spec_toml, task_id)
 
 SPEC_TOML = """
 [task]
@@ -113,3 +114,57 @@ def test_round_messages_validate():
     msg = UpdateAnnounce(task_id=tid, round=1, producer="p", base_hash=h, samples=5, manifest_ids=(h, h),
                          losses=(1.0, 2.0))
     assert decode(encode(msg)) == msg
+
+
+LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\n"
+LEGACY_ID = "b638cfee3a1f3361f696c7e8986bbd5de8d00557ff3c5c3c6896149506a6489c"
+"""SPEC_TOML's task id before TaskSpec had an aggregation field (computed by that code)."""
+
+
+def test_a_spec_from_before_the_aggregation_option_keeps_its_encoding_and_id():
+    spec = load_spec_toml(SPEC_TOML + LEGACY)
+    assert spec.aggregation == AggregationSpec() and task_id(spec) == LEGACY_ID
+    wire = msgpack.unpackb(encode(spec))
+    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - 1  # the field is left off at its default
+    assert decode(encode(spec)) == spec
+
+
+def test_the_aggregation_option_travels_and_changes_the_id():
+    spec = load_spec_toml(SPEC_TOML + "[task.aggregation]\nrule = \"trimmed_mean\"\ntrim_fraction = 0.2\n"
+                                      "norm_bound = 3\n")
+    assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0)
+    assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
+    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec))
+
+
+def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
+    wire = msgpack.unpackb(encode(load_spec_toml(SPEC_TOML + LEGACY)))
+    wire.append([AggregationSpec.TAG, "mean", 0.25, 1.0, 0.0])
+    with pytest.raises(DecodeError, match="default"):
+        decode(msgpack.packb(wire))
+    wire[-1] = [AggregationSpec.TAG, "median", 0.25, 1.0, 0.0]
+    assert decode(msgpack.packb(wire)).aggregation.rule == "median"
+    wire.append("one too many")
+    with pytest.raises(DecodeError, match="fields"):
+        decode(msgpack.packb(wire))
+
+
+def test_a_toml_spec_without_the_table_gets_the_measured_default():
+    from protocol.task import _DEFAULTS
+    assert load_spec_toml(SPEC_TOML).aggregation == AggregationSpec(**_DEFAULTS["aggregation"])
+    assert load_spec_toml(SPEC_TOML).aggregation != AggregationSpec()
+
+
+@pytest.mark.parametrize("table, words", [
+    ("rule = \"krum\"", "aggregation.rule 'krum' is not one of"),
+    ("rule = 3", "aggregation.rule"),
+    ("trim_fraction = 0.5", "aggregation.trim_fraction must be in (0, 0.5)"),
+    ("clip_radius = 0", "aggregation.clip_radius"),
+    ("norm_bound = 0.5", "aggregation.norm_bound must be 0 (no bound) or within 1..100"),
+    ("norm_bound = inf", "aggregation.norm_bound"),
+    ("bogus = 1", "unknown key aggregation.bogus"),
+])
+def test_aggregation_mistakes_name_the_key(table, words):
+    with pytest.raises(ConfigError) as info:
+        load_spec_toml(SPEC_TOML + "[task.aggregation]\n" + table + "\n")
+    assert words in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,176 @@
+"""Robust aggregation of one slice: a norm bound, trimmed mean, coordinate-wise median, centered clipping.
+
+Every rule streams over the int8 slices chunk by chunk, like compute.aggregate_payload: a chunk of
+each producer is decoded, combined and written; nothing whole-slice is kept per producer (centered
+clipping keeps one whole-slice center). Every node must compute the same bits, so: producers in
+sorted order, CPU float32, sums of a chunk's rows added one row after another (elementwise, so no
+reduction whose order could depend on the thread count), norms summed with math.fsum over per-block
+partial sums, and sorting, whose result depends only on the values.
+
+The norm bound and the robust rules weigh producers equally: a producer's claimed sample count is
+what it controls most cheaply, so only the plain mean uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from node.tasks import compute
+from node.train.compress import Int8Payload, Int8Writer
+from protocol.errors import IntegrityError
+from protocol.task import AggregationSpec
+
+PLAIN = AggregationSpec()
+"""The weighted mean with no bound: compute.aggregate_payload, byte for byte."""
+STACK_VALUES = 1 << 22
+"""At most this many float32 values in a chunk's stack of producers (16 MiB; sorting it takes about 3x)."""
+MAX_NORM = 2.0 ** 64
+"""A slice with a larger norm is left out: no training moves weights that far, and below it no sum or difference
+of a few thousand slices can overflow float32."""
+_ROW = 256
+"""Values per partial sum of a norm: each summed by one thread, whatever the thread count."""
+
+
+def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN) -> tuple[bytearray, list[str]]:
+    """The slice's aggregate under ``spec``, int8-encoded, and the producers left out because their slice did not
+    decode or its norm is past MAX_NORM; IntegrityError when none is left."""
+    if spec.rule == "mean" and spec.norm_bound == 0:
+        try:
+            return compute.aggregate_payload(slices, numel)
+        except ValueError:
+            pass  # the mean overflowed float32: below, the slices past MAX_NORM are left out and blamed
+    views, bad = {}, []
+    for peer in sorted(slices):
+        try:
+            views[peer] = Int8Payload(slices[peer][0], numel)
+        except ValueError:
+            bad.append(peer)
+    norms = {p: _norm(v, numel) for p, v in views.items()}
+    for peer in [p for p, n in norms.items() if not n <= MAX_NORM]:
+        bad.append(peer)
+        del views[peer], norms[peer]
+    if not views:
+        raise IntegrityError("no slice decoded")
+    bad.sort()
+    agg = _Slices(views, numel, _bound_scales(norms, spec.norm_bound))
+    if spec.rule == "mean":
+        total = math.fsum(float(slices[p][1]) for p in views)
+        weights = [torch.tensor(float(slices[p][1]) / total, dtype=torch.float32) for p in views]
+        return agg.write(lambda lo, hi, stack: _weighted_sum(stack, weights)), bad
+    if spec.rule == "median":
+        return agg.write(lambda lo, hi, stack: _median(stack)), bad
+    if spec.rule == "trimmed_mean":
+        trim = min(int(spec.trim_fraction * len(views)), (len(views) - 1) // 2)
+        return agg.write(lambda lo, hi, stack: _trimmed_mean(stack, trim)), bad
+    assert spec.rule == "centered_clip", spec.rule
+    return _centered_clip(agg, spec.clip_radius), bad
+
+
+def _norm(view: Int8Payload, numel: int) -> float:
+    """The L2 norm of a decoded slice, the same float whatever the thread count."""
+    step = compute.CHUNK_BLOCKS * view.block_size
+    scratch = view.scratch(step)
+    parts: list[float] = []
+    for lo in range(0, numel, step):
+        hi = min(numel, lo + step)
+        parts.extend(_sum_squares(view.decode(lo, hi, scratch)))
+    return math.sqrt(math.fsum(parts))
+
+
+def _sum_squares(x: torch.Tensor) -> list[float]:
+    # float32 squared in float64 is exact; each row is one thread's sequential sum, fsum adds the rows exactly.
+    full = x.numel() // _ROW * _ROW
+    out = x[:full].double().view(-1, _ROW).square().sum(dim=1).tolist() if full else []
+    if full < x.numel():
+        out.append(float(x[full:].double().square().sum()))
+    return out
+
+
+def _bound_scales(norms: dict[str, float], bound: float) -> list[torch.Tensor | None]:
+    """Per producer (sorted), the factor that brings its norm to at most bound x the median norm; None: as it is."""
+    if bound == 0:
+        return [None] * len(norms)
+    limit = bound * statistics.median(norms.values())
+    return [torch.tensor(limit / n, dtype=torch.float32) if n > limit else None for n in norms.values()]
+
+
+class _Slices:
+    """The producers' slices (sorted), norm-bounded, decoded a chunk at a time into one [producers, chunk] stack."""
+
+    def __init__(self, views: dict[str, Int8Payload], numel: int, scales: list[torch.Tensor | None]):
+        self.views, self.numel, self.scales = list(views.values()), numel, scales
+        bs = self.views[0].block_size
+        blocks = max(1, min(compute.CHUNK_BLOCKS, STACK_VALUES // (bs * len(self.views))))
+        self.step = blocks * bs
+        self.scratch = self.views[0].scratch(self.step)
+        self.stack = torch.empty(len(self.views), min(self.step, max(numel, 1)), dtype=torch.float32)
+
+    def chunks(self):
+        """(lo, hi, stack[:, :hi - lo]) for consecutive chunks of the slice."""
+        for lo in range(0, self.numel, self.step):
+            hi = min(self.numel, lo + self.step)
+            stack = self.stack[:, :hi - lo]
+            for i, view in enumerate(self.views):
+                stack[i].copy_(view.decode(lo, hi, self.scratch))
+                if self.scales[i] is not None:
+                    stack[i].mul_(self.scales[i])
+            yield lo, hi, stack
+
+    def write(self, combine) -> bytearray:
+        writer = Int8Writer(self.numel)
+        for lo, hi, stack in self.chunks():
+            writer.write(lo, combine(lo, hi, stack))
+        return writer.out
+
+
+def _weighted_sum(stack: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    # compute.aggregate_payload's operations: zeros, then acc + x * w per producer in sorted order.
+    acc = torch.zeros(stack.shape[1], dtype=torch.float32)
+    for row, w in zip(stack, weights):
+        acc.add_(row.mul_(w))
+    return acc
+
+
+def _row_mean(rows: torch.Tensor) -> torch.Tensor:
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        acc.add_(row)
+    return acc.div_(rows.shape[0])
+
+
+def _median(stack: torch.Tensor) -> torch.Tensor:
+    ordered = torch.sort(stack, dim=0).values
+    n = ordered.shape[0]
+    if n % 2:
+        return ordered[n // 2].clone()
+    return (ordered[n // 2 - 1] + ordered[n // 2]).mul_(0.5)
+
+
+def _trimmed_mean(stack: torch.Tensor, trim: int) -> torch.Tensor:
+    ordered = torch.sort(stack, dim=0).values if trim else stack
+    return _row_mean(ordered[trim:ordered.shape[0] - trim])
+
+
+def _centered_clip(agg: _Slices, radius: float) -> bytearray:
+    """One step of centered clipping (Karimireddy et al. 2021) around the coordinate-wise median v:
+    v + mean_i((x_i - v) * min(1, tau / |x_i - v|)), tau = radius x the median distance |x_i - v|."""
+    center = torch.empty(agg.numel, dtype=torch.float32)
+    for lo, hi, stack in agg.chunks():
+        center[lo:hi] = _median(stack)
+    parts: list[list[float]] = [[] for _ in agg.views]
+    for lo, hi, stack in agg.chunks():
+        for i, row in enumerate(stack):
+            parts[i].extend(_sum_squares(row.sub_(center[lo:hi])))
+    distances = [math.sqrt(math.fsum(p)) for p in parts]
+    tau = radius * statistics.median(distances)
+    factors = [torch.tensor(tau / d if d > tau else 1.0, dtype=torch.float32) for d in distances]
+
+    def combine(lo: int, hi: int, stack: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(hi - lo, dtype=torch.float32)
+        for row, c in zip(stack, factors):
+            acc.add_(row.sub_(center[lo:hi]).mul_(c))
+        return acc.div_(len(factors)).add_(center[lo:hi])
+    return agg.write(combine)

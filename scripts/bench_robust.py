@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Robust aggregation rules against poisoned updates: the demo TinyLM trained in-process, one run per rule and attack.
+
+Each run is DiLoCo rounds as a swarm runs them, in one process with no nodes: honest producers train
+with node.train.inner.train_inner from a shared warm start on their rendezvous-assigned shards, every
+update goes through the real int8 slices (compute.split_update), each slice through the real
+aggregation (robust.aggregate_slice, the function an aggregator runs), and the aggregates through the
+real outer step (compute.apply_aggregates). Attackers craft their updates each round:
+
+    sign_flip_x10  its own trained update times -10
+    gaussian       its own update plus Gaussian noise of 10x its rms
+    zeros          nothing, with full samples claimed
+    stale          its round-0 update replayed every round, training nothing after
+    alie           "A little is enough": mean + 1.0 x std of the honest updates, per coordinate
+    ipm            inner-product manipulation: -0.5 x the honest mean
+    overclaim      a tenth of the inner steps, full samples claimed
+
+Reported per setup (producers x attackers), rule and attack: the final held-out loss, its change
+against the same rule's clean run (%), and each rule's clean loss against the plain mean's (%).
+The default is chosen from these numbers (``choose``) and printed with them, as JSON on stdout.
+
+    python scripts/bench_robust.py --quick          # 4 producers, 1 attacker, 1 seed: ~3 min on 2 busy cores
+    python scripts/bench_robust.py --json-out robust.json   # both setups, 2 seeds: ~26 min (docs/bench/robust.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from node.tasks import compute, robust  # noqa: E402
+from node.train.data import derive_seed  # noqa: E402
+from node.train.diloco import OuterNesterov, flatten, pseudo_gradient, unflatten  # noqa: E402
+from node.train.inner import AdamWConfig, evaluate, train_inner  # noqa: E402
+from node.train.model import ModelConfig  # noqa: E402
+from node.train.simulate import SimSetup, _data, start_weights  # noqa: E402
+from protocol.rendezvous import assign_shards  # noqa: E402
+from protocol.task import AggregationSpec  # noqa: E402
+
+ATTACKS = ("clean", "sign_flip_x10", "gaussian", "zeros", "stale", "alie", "ipm", "overclaim")
+NORM_BOUND = 2.0
+RULES = {
+    "mean": AggregationSpec(),
+    "mean+bound": AggregationSpec(rule="mean", norm_bound=NORM_BOUND),
+    "trimmed_mean": AggregationSpec(rule="trimmed_mean", norm_bound=NORM_BOUND),
+    "median": AggregationSpec(rule="median", norm_bound=NORM_BOUND),
+    "centered_clip": AggregationSpec(rule="centered_clip", norm_bound=NORM_BOUND),
+}
+DEMO_MODEL = ModelConfig(n_layer=2, n_head=2, d_model=64, seq_len=64)
+"""examples/tiny-task.toml's model."""
+HONEST_COST_PCT = 1.0
+"""A default may cost honest training at most this much held-out loss against the plain mean."""
+ALIE_Z = 1.0
+IPM_EPSILON = 0.5
+NOISE_RMS = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bench:
+    model: ModelConfig = DEMO_MODEL
+    rounds: int = 8
+    inner_steps: int = 12
+    batch_size: int = 8
+    pretrain_steps: int = 200
+    num_slices: int = 2
+    num_shards: int = 24
+    eval_batches: int = 16
+    corpus_bytes: int = 1 << 20
+
+
+def _setup(bench: Bench, seed: int) -> SimSetup:
+    return SimSetup(model=bench.model, adamw=AdamWConfig(lr=3e-3), batch_size=bench.batch_size,
+                    corpus_bytes=bench.corpus_bytes, num_shards=bench.num_shards, eval_batches=bench.eval_batches,
+                    eval_batch_size=16, seed=seed, pretrain_steps=bench.pretrain_steps)
+
+
+def _mean_std(flats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    stack = torch.stack(flats)
+    return stack.mean(dim=0), stack.std(dim=0, unbiased=False)
+
+
+def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int, attackers: int, seed: int,
+            start=None) -> float | None:
+    """The final held-out loss of one run; None when the weights diverged (non-finite)."""
+    setup = _setup(bench, seed)
+    shards, heldout = _data(setup)
+    theta0 = start if start is not None else start_weights(setup)
+    state = compute.OuterState(round=0, weights=theta0, outer=OuterNesterov(lr=0.7, momentum=0.9))
+    task = f"bench-robust-{seed}"
+    peers = [f"peer-{i}" for i in range(producers)]
+    bad = set(peers[:attackers]) if attack != "clean" else set()
+    cap = bench.inner_steps * bench.batch_size
+    opt_states: dict[str, dict] = {}
+    first: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(derive_seed(task, "noise"))
+
+    def train(peer: str, r: int, steps: int, assignment) -> tuple[torch.Tensor, list, int]:
+        result = train_inner(model_config=bench.model, base_weights=state.weights,
+                             data=b"".join(shards[i] for i in assignment[peer]), steps=steps,
+                             batch_size=bench.batch_size, seed=derive_seed(task, r, peer), adamw=setup.adamw,
+                             opt_state=opt_states.get(peer))
+        opt_states[peer] = result.opt_state
+        flat, layout = flatten(pseudo_gradient(state.weights, result.weights))
+        return flat, layout, result.samples
+
+    for r in range(bench.rounds):
+        assignment = assign_shards(task, r, peers, bench.num_shards)
+        updates: dict[str, tuple[torch.Tensor, int]] = {}
+        layout = None
+        for peer in peers:
+            if peer not in bad:
+                flat, layout, samples = train(peer, r, bench.inner_steps, assignment)
+                updates[peer] = (flat, samples)
+        honest = [updates[p][0] for p in sorted(updates)]
+        mean, std = _mean_std(honest)
+        for peer in sorted(bad):
+            if attack in ("sign_flip_x10", "gaussian"):
+                own, layout, _ = train(peer, r, bench.inner_steps, assignment)
+                if attack == "sign_flip_x10":
+                    crafted = own * -10.0
+                else:
+                    rms = own.square().mean().sqrt()
+                    crafted = own + torch.randn(own.shape, generator=gen) * (NOISE_RMS * rms)
+            elif attack == "zeros":
+                crafted = torch.zeros_like(mean)
+            elif attack == "stale":
+                if peer not in first:
+                    first[peer], layout, _ = train(peer, r, bench.inner_steps, assignment)
+                crafted = first[peer]
+            elif attack == "alie":
+                crafted = mean + ALIE_Z * std
+            elif attack == "ipm":
+                crafted = mean * -IPM_EPSILON
+            elif attack == "overclaim":
+                crafted, layout, _ = train(peer, r, max(1, bench.inner_steps // 10), assignment)
+            else:
+                raise ValueError(f"unknown attack {attack!r}")
+            updates[peer] = (crafted, cap)
+        try:
+            payloads = {p: compute.split_update(unflatten(flat, layout), bench.num_slices)
+                        for p, (flat, _) in sorted(updates.items())}
+            numel = sum(t.numel() for t in state.weights.values())
+            bounds = compute.slice_bounds(numel, bench.num_slices)
+            aggregates = [robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads}, b - a, rule)[0]
+                          for s, (a, b) in enumerate(bounds)]
+        except ValueError:  # an update or the aggregate went non-finite: the run diverged
+            return None
+        state = compute.apply_aggregates(state, aggregates, state.work + len(updates))
+    loss = evaluate(bench.model, state.weights, heldout, bench.eval_batches, seed=seed + 1, batch_size=16)
+    return loss if math.isfinite(loss) else None
+
+
+def _pct(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None:
+        return None
+    return round(100.0 * (value - reference) / reference, 2)
+
+
+def choose(results: dict) -> tuple[str, str]:
+    """The rule to default to, and why: among the rules whose clean runs cost honest training at most
+    HONEST_COST_PCT against the plain mean, the one whose worst attack (over setups) hurts least."""
+    worst: dict[str, float] = {}
+    for name in RULES:
+        costs = [results[s][name]["clean_vs_mean_pct"] for s in results]
+        if any(c is None or c > HONEST_COST_PCT for c in costs):
+            continue
+        changes = [a["vs_clean_pct"] for s in results for k, a in results[s][name]["attacks"].items() if k != "clean"]
+        worst[name] = math.inf if any(c is None for c in changes) else max(changes)
+    if not worst:
+        return "mean", "no robust rule kept honest training within the allowed cost"
+    best = min(worst, key=lambda n: (worst[n], n))
+    return best, (f"worst attack +{worst[best]:.2f}% over the clean run, clean cost within {HONEST_COST_PCT}% of the "
+                  f"mean; others' worst: " + ", ".join(f"{n} {w:+.2f}%" for n, w in sorted(worst.items()) if n != best))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 producers with 1 attacker, one seed, fewer rounds")
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--inner-steps", type=int)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bench = Bench(rounds=5, inner_steps=8, pretrain_steps=100) if args.quick else Bench()
+    bench = dataclasses.replace(bench, **{k: v for k, v in (("rounds", args.rounds), ("inner_steps", args.inner_steps))
+                                          if v is not None})
+    setups = {"4x1": (4, 1)} if args.quick else {"4x1": (4, 1), "8x2": (8, 2)}
+    seeds = [0] if args.quick else list(range(args.seeds))
+    t0 = time.monotonic()
+    starts = {seed: start_weights(_setup(bench, seed)) for seed in seeds}
+    results: dict = {}
+    for label, (producers, attackers) in setups.items():
+        results[label] = {}
+        for name, rule in RULES.items():
+            attacks = {}
+            for attack in ATTACKS:
+                losses = [run_one(bench, rule, attack, producers=producers, attackers=attackers, seed=seed,
+                                  start=starts[seed]) for seed in seeds]
+                loss = None if any(x is None for x in losses) else statistics.fmean(losses)
+                attacks[attack] = {"loss": None if loss is None else round(loss, 4), "losses": losses}
+                print(f"bench_robust: {label} {name} {attack}: {losses} ({time.monotonic() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+            clean = attacks["clean"]["loss"]
+            for a in attacks.values():
+                a["vs_clean_pct"] = _pct(a["loss"], clean)
+            results[label][name] = {"attacks": attacks}
+        mean_clean = results[label]["mean"]["attacks"]["clean"]["loss"]
+        for entry in results[label].values():
+            entry["clean_vs_mean_pct"] = _pct(entry["attacks"]["clean"]["loss"], mean_clean)
+    default, why = choose(results)
+    report = {
+        "command": " ".join(["python", "scripts/bench_robust.py", *sys.argv[1:]]),
+        "bench": {**dataclasses.asdict(bench), "model": dataclasses.asdict(bench.model)}, "seeds": seeds,
+        "rules": {n: dataclasses.asdict(r) for n, r in RULES.items()},
+        "results": results, "default": default, "why": why, "seconds": round(time.monotonic() - t0, 1),
+    }
+    text = json.dumps(report, indent=1)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
