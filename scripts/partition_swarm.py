@@ -2,8 +2,9 @@
 
     python scripts/partition_swarm.py [--cut-s 30] [--rounds 30] [--json-out FILE]      (root: network namespaces)
 
-Each node runs in its own network-namespace host (scripts/netlab.py). Once every node has
-reached round 3, host h3 is cut off for --cut-s seconds; once all four agree again, hosts h2 and h3
+Each node runs in its own network-namespace host (scripts/netlab.py). A 3-round quiet task first
+times this machine's rounds, and the task gets enough rounds (at least --rounds) to still be
+training through both partitions. Once every node has reached round 3, host h3 is cut off for --cut-s seconds; once all four agree again, hosts h2 and h3
 are cut (a 2-1-1 split, no side with min_members = 3) for --cut-s seconds. For each partition the
 report says how many rounds a side below min_members closed (target 0), how many rounds after the
 heal every node held one weights hash (target at most 2), and the slowest round after the heal
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -32,12 +34,15 @@ CORPUS_BYTES = 256 * 1024
 ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_DEAD_AFTER_S": "5",
        "SHOAL_HARDWARE_BENCHMARK": "false"}
 MIN_MEMBERS = 3
+QUIET_ROUNDS = 3
+"""A short task first, whose rounds time this machine (rounds_for)."""
 ROUND_DEADLINE_S = 20.0
 
 
-def task_fields(rounds: int, inner_steps: int) -> dict:
+def task_fields(rounds: int, inner_steps: int, time_budget_s: float = 0.0) -> dict:
     return {
-        "name": "partition", "inner_steps": inner_steps, "batch_size": 8, "rounds": rounds,
+        "name": "partition", "inner_steps": inner_steps, "time_budget_s": time_budget_s, "batch_size": 8,
+        "rounds": rounds,
         "round_deadline_s": ROUND_DEADLINE_S, "min_members": MIN_MEMBERS, "max_members": 8,
         "aggregation_shards": 2, "aggregators_per_shard": 2, "seed": 5,
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 32},
@@ -125,18 +130,38 @@ def after_heal(watch: Watch, first_round: int, last_round: int) -> tuple[float, 
     return worst, len(failed)
 
 
-def run(work_dir: Path, *, rounds: int = 30, inner_steps: int = 20, cut_s: float = 30.0) -> dict:
+def rounds_for(cut_s: float, round_s: float, at_least: int) -> int:
+    """Rounds enough for both partitions at this machine's pace: 3 before the first cut, the 3-node
+    side's rounds while it lasts (half again, for a machine that gets faster), up to 2 to agree and
+    3 more after its heal, none while the 2-1-1 split lasts, and 8 after that heal. With fewer, a
+    quiet machine finishes the task before the cut ends, and the heal is never tested."""
+    return max(at_least, math.ceil(1.5 * cut_s / round_s) + 16)
+
+
+def run(work_dir: Path, *, rounds: int = 30, inner_steps: int = 20, cut_s: float = 30.0,
+        time_budget_s: float = 0.0) -> dict:
+    """``rounds``: at least this many; more where the machine's quiet rounds are short (rounds_for).
+    ``time_budget_s`` (0: none) ends each member's inner steps after that long, so with many
+    ``inner_steps`` a round lasts about as long on a quiet machine as on a loaded one."""
     started = time.monotonic()
     with netlab_interrupts(), netlab.open_lab(4) as lab:
         swarm = Swarm(4, work_dir, lab=lab, env=ENV)
         try:
             swarm.start(watch_interval_s=0.3)
-            run_ = TaskRun(swarm, task_fields(rounds, inner_steps))
+            quiet = TaskRun(swarm, {**task_fields(QUIET_ROUNDS, inner_steps, time_budget_s), "name": "partition-quiet"})
+            quiet_watch = Watch(swarm, quiet)
+            quiet_watch.wait(swarm.all_see_all, 90, "every node sees the others")
+            quiet.task_id = swarm.task_id = quiet.publish()
+            quiet_watch.wait(quiet.done, 180, "the quiet task finishes")
+            # The fastest quiet round sizes the task, so even a quiet machine is still training at the heals.
+            times = [row["round_s"] for n in swarm.nodes for r, row in quiet_watch.rows(n).items() if r >= 1]
+            quiet_round_s = max(min(times, default=1.0), 0.1)
+            rounds = rounds_for(cut_s, quiet_round_s, rounds)
+            log(f"quiet rounds of {quiet_round_s:.2f} s: the task gets {rounds} rounds")
+            run_ = TaskRun(swarm, task_fields(rounds, inner_steps, time_budget_s))
             watch = Watch(swarm, run_)
-            watch.wait(swarm.all_see_all, 90, "every node sees the others")
             run_.task_id = swarm.task_id = run_.publish()
             watch.wait(lambda: min(watch.rounds()) >= 3, 180, "every node reaches round 3")
-            quiet_round_s = max(after_heal(watch, 1, 3)[0], 0.1)
             one = partition(lab, watch, ["h3"], cut_s)
             watch.wait(lambda: min(watch.rounds()) >= one["round_at_heal"] + one["rounds_to_one_hash"] + 3, 240,
                        "two more rounds after the first heal")
@@ -167,6 +192,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--cut-s", type=float, default=30.0)
+    parser.add_argument("--time-budget-s", type=float, default=0.0,
+                        help="end each round's inner steps after this long (0: none), for rounds of one length")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     reason = netlab.unavailable_reason()
@@ -175,7 +202,8 @@ def main() -> int:
         return 2
     work_dir = Path(tempfile.mkdtemp(prefix="shoal-partition-"))
     try:
-        report = run(work_dir, rounds=args.rounds, inner_steps=args.inner_steps, cut_s=args.cut_s)
+        report = run(work_dir, rounds=args.rounds, inner_steps=args.inner_steps, cut_s=args.cut_s,
+                     time_budget_s=args.time_budget_s)
     except (TimeoutError, RuntimeError) as exc:
         print(f"error: {exc}\nthe nodes' logs are in {work_dir}", file=sys.stderr)
         return 1
