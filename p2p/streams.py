@@ -43,10 +43,7 @@ class _Stream:
         except _STREAM_ERRORS as exc:
             raise StreamClosed(f"stream {self.protocol} from {self.remote_peer} failed: {exc!r}") from exc
         self._stats.bytes_received += len(data)
-        if self._relayed:
-            self._count_relayed(len(data))
-        by_peer = self._stats.bytes_received_by_peer
-        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(data)
+        self._count(self._stats.bytes_received_by_peer, len(data))
         return data
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -57,10 +54,13 @@ class _Stream:
         except _STREAM_ERRORS as exc:
             raise StreamClosed(f"stream {self.protocol} to {self.remote_peer} failed: {exc!r}") from exc
         self._stats.bytes_sent += len(payload)
+        self._count(self._stats.bytes_sent_by_peer, len(payload))
+
+    def _count(self, by_peer: dict[str, int], num_bytes: int) -> None:
+        """Per-peer and relayed byte counters, one direction (the totals are counted by the caller)."""
         if self._relayed:
-            self._count_relayed(len(payload))
-        by_peer = self._stats.bytes_sent_by_peer
-        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + len(payload)
+            self._count_relayed(num_bytes)
+        by_peer[self.remote_peer] = by_peer.get(self.remote_peer, 0) + num_bytes
 
     async def close_write(self) -> None:
         try:

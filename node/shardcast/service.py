@@ -1,4 +1,9 @@
-"""ShardcastService: publish, announce, serve and fetch verified shards between untrusted peers."""
+"""ShardcastService: publish, announce, serve and fetch verified shards between untrusted peers.
+
+Past 500 lines: the serving side (_serve_manifest, _serve_shard, the upload limiter and the
+super-seeding choice) shares the holder table and stream-abuse counters with the fetching side;
+splitting it into its own module is the next change to this file, not yet made.
+"""
 
 from __future__ import annotations
 
