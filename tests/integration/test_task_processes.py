@@ -92,7 +92,9 @@ def test_a_sigkilled_node_does_not_stop_the_others_and_resumes_from_its_checkpoi
     swarm = Swarm(3, tmp_path, env=ENV)
     try:
         # Two survivors keep training only if two are enough: below min_members a swarm waits.
-        run = started(swarm, rounds=8, min_members=2)
+        # Rounds of 6 inner steps last about a second on a quiet machine, and the watchers (every
+        # 0.3 s) could miss the training phase the victim is killed in until the task was over.
+        run = started(swarm, rounds=8, inner_steps=40, min_members=2)
         victim, survivors = swarm.nodes[2], swarm.nodes[:2]
         wait_for(lambda: (run.mine(victim).get("round") or 0) >= 2
                  and "training" in run.mine(victim).get("phase", ""), 90, "the victim trains round 2+", swarm)
