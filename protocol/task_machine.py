@@ -6,6 +6,10 @@ time each peer was heard, and the results of the work it was asked to do, each w
 Every rule that decides membership, closing, the chosen aggregate, catching up and re-syncing
 lives here or in protocol/round.py, so honest nodes that saw the same messages decide the same.
 
+Past 500 lines on purpose: the stage and phase tables, the membership window and the closing,
+catch-up and re-sync rules read and write the same fields, and h11-style one-table machines are
+kept in one file so every transition can be read beside the state it changes.
+
 Two levels of phase, each moved only through its table (as h11 keeps its connection states):
 the task's ``Stage`` and each round's ``Phase``. A round is its own record with its own phase,
 so rounds can overlap and phases can be inserted (scoring before gathering) by adding rows.

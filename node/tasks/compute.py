@@ -118,17 +118,23 @@ def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytearr
     return out, hashlib.sha256(out).hexdigest(), bad
 
 
-def aggregate_payload(slices: dict, numel: int) -> tuple[bytearray, list[str]]:
-    """Weighted mean (by samples, sorted producer order) of the int8 slices, int8-encoded, and the producers whose
-    slice did not decode (left out). Streams: chunk by chunk, each producer's int8 bytes decoded into one scratch
-    buffer and added in, with the same operations in the same order as diloco.weighted_mean (zeros, then
-    acc + decoded * w per producer), so every aggregator computes the same bits; nothing whole-slice in fp32."""
+def open_slices(slices: dict, numel: int) -> tuple[dict[str, Int8Payload], list[str]]:
+    """Each producer's int8 slice opened (sorted producer order), and the producers whose slice does not decode."""
     views, bad = {}, []
     for peer in sorted(slices):
         try:
             views[peer] = Int8Payload(slices[peer][0], numel)
         except ValueError:
             bad.append(peer)
+    return views, bad
+
+
+def aggregate_payload(slices: dict, numel: int) -> tuple[bytearray, list[str]]:
+    """Weighted mean (by samples, sorted producer order) of the int8 slices, int8-encoded, and the producers whose
+    slice did not decode (left out). Streams: chunk by chunk, each producer's int8 bytes decoded into one scratch
+    buffer and added in, with the same operations in the same order as diloco.weighted_mean (zeros, then
+    acc + decoded * w per producer), so every aggregator computes the same bits; nothing whole-slice in fp32."""
+    views, bad = open_slices(slices, numel)
     if not views:
         raise IntegrityError("no slice decoded")
     total = math.fsum(float(slices[p][1]) for p in views)

@@ -42,12 +42,7 @@ def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN) -> 
             return compute.aggregate_payload(slices, numel)
         except ValueError:
             pass  # the mean overflowed float32: below, the slices past MAX_NORM are left out and blamed
-    views, bad = {}, []
-    for peer in sorted(slices):
-        try:
-            views[peer] = Int8Payload(slices[peer][0], numel)
-        except ValueError:
-            bad.append(peer)
+    views, bad = compute.open_slices(slices, numel)
     norms = {p: _norm(v, numel) for p, v in views.items()}
     for peer in [p for p, n in norms.items() if not n <= MAX_NORM]:
         bad.append(peer)
