@@ -136,6 +136,11 @@ def task_samples(node) -> Iterable[Sample]:
         if round_s > 0:  # closed rounds only: the open one has training time but no round time yet
             yield ("shoal_task_training_share", "gauge", "Share of closed rounds' wall time this node trained",
                    task, sum(a.get("train_s", 0.0) for a in rounds) / round_s)
+        for p in t.get("peers", []):
+            if p.get("train_share") is not None:
+                yield ("shoal_task_peer_training_share", "gauge", "Training share each node last announced "
+                       "(trainer seconds over its rounds' wall seconds; this node's so far)",
+                       {**task, "peer": p["peer_id"]}, p["train_share"])
         yield ("shoal_task_train_seconds_total", "counter", "Seconds the trainer child trained", task,
                t.get("train_seconds", 0.0))
         yield ("shoal_task_trainer_restarts_total", "counter", "Times the trainer child died and was restarted",

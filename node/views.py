@@ -137,6 +137,16 @@ def print_task(t: dict, console: Console | None = None) -> None:
         head.add_row("rejected", ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "none")
         head.add_row("members", "\n".join(t.get("members", [])) or "-")
     console.print(head)
+    peers = t.get("peers", [])
+    if peers:
+        table = Table(title="nodes (as each last announced itself)", title_justify="left")
+        for column in ("peer", "member", "round", "eval loss", "training share"):
+            table.add_column(column)
+        for p in peers:
+            share = "-" if p.get("train_share") is None else f"{100 * p['train_share']:.0f}%"
+            table.add_row(p["peer_id"] + (" (this node)" if p.get("self") else ""), "yes" if p.get("member") else "no",
+                          str("-" if p.get("round") is None else p["round"]), _loss(p.get("eval_loss")), share)
+        console.print(table)
     rounds = t.get("agreement", [])
     if rounds:
         table = Table(title="rounds", title_justify="left")

@@ -371,7 +371,7 @@ class AggregateAnnounce:
         _need(_is_hex_hash(self.manifest_id) and _is_hex_hash(self.result_hash), "ids must be hex sha256")
 
 
-@message(tag=28)
+@message(tag=28, optional_tail=("train_share",))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsAnnounce:
     """The weights after ``round`` (θ_{round+1}): their hash, the outer state's, and where to fetch both."""
@@ -387,6 +387,9 @@ class WeightsAnnounce:
     work: int
     """Contributions applied in the history behind these weights (producers summed over rounds):
     after a partition heals, the history with more work wins."""
+    train_share: float | None = None
+    """The announcer's share of its rounds' wall time that its trainer trained, so far (0..1); None
+    before it trained. Shown to operators only: no decision depends on it."""
 
     def __post_init__(self) -> None:
         _check_task(self.task_id)
@@ -396,6 +399,8 @@ class WeightsAnnounce:
         _need(_is_hex_hash(self.weights_hash) and _is_hex_hash(self.state_hash), "hashes must be hex sha256")
         _need(self.state_manifest == "" or _is_hex_hash(self.state_manifest), "state_manifest must be a hex id")
         _need(self.eval_loss is None or _finite(self.eval_loss), "eval_loss must be finite")
+        _need(self.train_share is None or (_finite(self.train_share) and 0.0 <= self.train_share <= 1.0),
+              "train_share must be within 0..1")
 
 
 @message(tag=29)

@@ -117,6 +117,8 @@ class Applied:
     state_hash: str
     state_manifest: str
     eval_loss: float | None
+    train_share: float | None = None
+    """This node's training share so far, passed on in its WeightsAnnounce."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -651,7 +653,8 @@ class TaskMachine:
                                     state_manifest=ev.state_manifest)
         msg = WeightsAnnounce(task_id=self.task_id, round=ev.round, peer_id=self.self_id,
                               weights_hash=ev.weights_hash, state_hash=ev.state_hash,
-                              state_manifest=ev.state_manifest, eval_loss=ev.eval_loss, work=self.head.work)
+                              state_manifest=ev.state_manifest, eval_loss=ev.eval_loss, work=self.head.work,
+                              train_share=ev.train_share)
         return [Publish(msg), *self._advance(rec, now)]
 
     def _on_Synced(self, ev: Synced, now: float) -> list[Effect]:
@@ -1033,7 +1036,15 @@ class TaskMachine:
                 "phase": rec.phase.value if rec and rec.phase else None, "detail": self.detail,
                 "head": self.head.round if self.head else None, "work": self.head.work if self.head else 0,
                 "members": self.members(rec, now) if rec is not None and rec.base is not None else [],
-                "updates": len(rec.updates) if rec else 0, "dropped": dict(self.dropped)}
+                "updates": len(rec.updates) if rec else 0, "dropped": dict(self.dropped),
+                "announced": self.announced()}
+
+    def announced(self, limit: int = 64) -> dict[str, dict]:
+        """What each peer last said of itself in its WeightsAnnounce (round, held-out loss, training share),
+        for operators: at most ``limit`` peers, the most advanced first."""
+        latest = sorted(self.latest.values(), key=lambda w: (-w.round, w.peer_id))[:limit]
+        return {w.peer_id: {"round": w.round, "eval_loss": w.eval_loss, "train_share": w.train_share}
+                for w in latest}
 
 
 _HANDLERS = {kind: getattr(TaskMachine, f"_on_{kind.__name__}")

@@ -104,7 +104,15 @@ function renderTask(t) {
     ["rejections", rejected]];
   card.append(el("div", {class: "facts"}, ...facts.map(([k, v]) => el("span", {}, el("b", {text: k}), String(v)))));
   if (t.decision !== "joined") return card;
-  const members = el("p", {class: "mono muted", text: "members: " + (t.members || []).map(short).join("  ")});
+  const nodes = el("table", {class: "nodes"}, el("thead", {}, row(["node", "member", "round", "eval loss", "training share"]
+    .map((h) => el("th", {text: h})))));
+  const nb = el("tbody");
+  for (const p of t.peers || []) {
+    nb.append(row([el("td", {class: "mono", text: short(p.peer_id) + (p.self ? " (this node)" : ""), title: p.peer_id}),
+      p.member ? "yes" : "no", p.round ?? "-", p.eval_loss == null ? "-" : p.eval_loss.toFixed(4),
+      el("td", {class: "share", text: p.train_share == null ? "-" : (100 * p.train_share).toFixed(0) + "%"})]));
+  }
+  nodes.append(nb);
   const rounds = el("table", {class: "rounds"}, el("thead", {}, row(["round", "agreed", "peers agreeing", "members", "eval loss", "train s", "round s", "weights"]
     .map((h) => el("th", {text: h})))));
   const tb = el("tbody");
@@ -114,7 +122,7 @@ function renderTask(t) {
       el("td", {class: "mono", text: a.weights_hash.slice(0, 10)})]));
   }
   rounds.append(tb);
-  card.append(el("div", {class: "cols"}, curve(t.eval_losses || []), el("div", {class: "scroll"}, rounds)), members);
+  card.append(el("div", {class: "cols"}, curve(t.eval_losses || []), el("div", {class: "scroll"}, rounds)), nodes);
   return card;
 }
 

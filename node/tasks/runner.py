@@ -109,7 +109,20 @@ class TaskRunner:
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
+            "peers": self._peer_rows(m),
         }
+
+    def _peer_rows(self, m: dict) -> list[dict]:
+        """One row per member (this node included) and per peer heard from lately: its last announced
+        round, held-out loss and training share."""
+        mine = {"round": self.state.round - 1 if self.state and self.state.round > 0 else None, "train_share": self.train_share(),
+                "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None}
+        rows = {self.me: mine, **m["announced"]}
+        members = set(m["members"])
+        return [{"peer_id": p, "self": p == self.me, "member": p in members or p == self.me,
+                 "round": r["round"], "eval_loss": None if r["eval_loss"] is None else round(r["eval_loss"], 4),
+                 "train_share": None if r["train_share"] is None else round(r["train_share"], 4)}
+                for p, r in rows.items()]
 
     def _set_phase(self) -> None:
         m = self.machine
@@ -353,7 +366,15 @@ class TaskRunner:
         # the catching-up again, and an announcement without a state manifest is never fetched from.
         state_id = "" if job.behind else await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
         return Applied(round=job.round, weights_hash=new.weights_hash(), state_hash=new.state_hash(),
-                       state_manifest=state_id, eval_loss=eval_loss)
+                       state_manifest=state_id, eval_loss=eval_loss, train_share=self.train_share(job.round))
+
+    def train_share(self, open_round: int | None = None) -> float | None:
+        """Trainer seconds over the wall seconds of this node's rounds, the open one's so far included;
+        None before the node trained."""
+        wall = self.rounds_s
+        if open_round is not None and open_round in self._round_started:
+            wall += trio.current_time() - self._round_started[open_round]
+        return min(1.0, self.train_s / wall) if wall > 0 and self.train_s > 0 else None
 
     async def _hold(self, state: compute.OuterState, *, evaluate: bool) -> float | None:
         """Make ``state`` this node's: its weights file now (the trainer reads θ_r from there), the rest of the

@@ -67,8 +67,12 @@ def test_dashboard_shows_every_peer_and_a_growing_loss_curve(demo, tmp_path):
         def seen() -> dict:
             return drv.execute_script("""
               const svg = document.querySelector('svg.curve');
+              const shares = {};
+              for (const tr of document.querySelectorAll('table.nodes tbody tr'))
+                shares[tr.querySelector('td[title]').title] = tr.querySelector('td.share').textContent;
               return {peers: [...document.querySelectorAll('#peers tbody td[title]')].map((td) => td.title),
-                      points: svg ? Number(svg.dataset.points) : 0, live: document.getElementById('live').className};
+                      points: svg ? Number(svg.dataset.points) : 0, live: document.getElementById('live').className,
+                      shares};
             """)
 
         first = wait_for(lambda: (lambda s: s if set(s["peers"]) == others and s["points"] >= 1 else None)(seen()),
@@ -80,6 +84,9 @@ def test_dashboard_shows_every_peer_and_a_growing_loss_curve(demo, tmp_path):
         shot2 = tmp_path / "dashboard-2.png"
         drv.save_screenshot(str(shot2))
     assert first["live"] == "ok" and set(later["peers"]) == others
+    # Each member's training share, as it announced it with its weights: a percentage for all three.
+    assert set(later["shares"]) == others | {node.peer_id}, later["shares"]
+    assert all(re.fullmatch(r"\d{1,3}%", v) and 0 < int(v[:-1]) <= 100 for v in later["shares"].values()), later
     assert later["points"] > first["points"]
     assert shot1.stat().st_size > 10_000 and shot2.stat().st_size > 10_000
     if SCREENSHOT_DIR:
@@ -103,6 +110,9 @@ def test_metrics_move_during_the_task_and_every_log_line_is_json(demo):
                  "process_cpu_seconds_total", "shoal_build_info"):
         assert metric(after, name) is not None, name
     assert 'shoal_task_rounds_total{outcome="agreed"' in after
+    shares = re.findall(r'^shoal_task_peer_training_share{peer="([^"]+)",task="[^"]+"} ([0-9.e+-]+)$', after, re.M)
+    assert {p for p, _ in shares} == {n.peer_id[-10:] for n in swarm.nodes}, shares
+    assert all(0 < float(v) <= 1 for _, v in shares), shares
     wait_for(lambda: run.done() or run.stopped(), 300, "the task finishes", swarm)
     assert not run.stopped(), run.stopped()
     swarm.stop()

@@ -23,6 +23,8 @@ DEADLINE_S = 30.0
 QUIET_S = 3.0
 HEARTBEAT_S = 1.0
 TRAIN_S = 2.0
+TRAIN_SHARE = 0.5
+"""What every simulated node reports as its training share with its weights."""
 ANNOUNCE_S = 4.0
 """Each node re-gossips its latest weights this often, as the runner does, so restarted nodes hear them."""
 
@@ -152,7 +154,7 @@ class Swarm:
                 self.states.add((new, state))
                 self.history[name][e.round] = new
                 applied = Applied(round=e.round, weights_hash=new, state_hash=state, state_manifest=h("m", new),
-                                  eval_loss=1.0)
+                                  eval_loss=1.0, train_share=TRAIN_SHARE)
                 if self.apply_s.get(name):
                     heapq.heappush(self.later, (self.now + self.apply_s[name], next(self._seq), name, applied))
                 else:

@@ -8,7 +8,7 @@ from protocol.round import aggregators
 from protocol.task import UpdateAnnounce
 from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Phase,
                                    RoundClosed, Stage, TaskMachine)
-from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, Swarm, h
+from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, TRAIN_SHARE, Swarm, h
 
 
 def final_hashes(sim):
@@ -434,3 +434,26 @@ def test_a_round_abandoned_for_a_better_history_at_the_same_round_opens_again_fr
     m.handle(UpdateAnnounce(task_id=TASK, round=5, producer="x", base_hash=W5X, samples=8, manifest_ids=(UX,),
                             losses=()), 12.5)
     assert set(rec.updates) == {"x"}
+
+
+def test_a_members_announced_training_share_reaches_the_others_statistics():
+    # Applied carries this node's share into its WeightsAnnounce; a peer's machine keeps what each node
+    # last announced, the most advanced first, for the status and the dashboard.
+    from protocol.task import WeightsAnnounce
+    from protocol.task_machine import TaskMachine
+    W, S = "%02x" % 1 * 32, "%02x" % 2 * 32
+    m = TaskMachine(task_id=TASK, self_id="a", rounds=10, num_slices=1, aggregators_per_slice=1, round_deadline_s=10.0,
+                    quiet_after_s=3.0, listen_s=0.0, min_members=1, max_members=8, max_samples=100)
+    for peer, rnd, share in (("b", 3, 0.8), ("c", 4, None), ("b", 2, 0.1)):  # b's older round changes nothing
+        m.handle(WeightsAnnounce(task_id=TASK, round=rnd, peer_id=peer, weights_hash=W, state_hash=S,
+                                 state_manifest="", eval_loss=1.5, work=rnd, train_share=share), 1.0)
+    assert m.statistics(1.0)["announced"] == {"c": {"round": 4, "eval_loss": 1.5, "train_share": None},
+                                              "b": {"round": 3, "eval_loss": 1.5, "train_share": 0.8}}
+    assert list(m.announced(limit=1)) == ["c"]
+    # Through a swarm: each node's Applied share reaches the others with its weights.
+    sim = Swarm("abc")
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in "abc"), 30 * DEADLINE_S)
+    for name, machine in sim.machines.items():
+        others = machine.statistics(sim.now)["announced"]
+        assert set(others) == set("abc") - {name}
+        assert all(a["train_share"] == TRAIN_SHARE and a["round"] == 9 for a in others.values()), others

@@ -116,6 +116,24 @@ def test_round_messages_validate():
     assert decode(encode(msg)) == msg
 
 
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("inf"), float("nan")])
+def test_a_training_share_outside_0_to_1_is_refused(share):
+    h = "ef" * 32
+    with pytest.raises(ValueError, match="train_share"):
+        WeightsAnnounce(task_id="cd" * 32, round=0, peer_id="p", weights_hash=h, state_hash=h, state_manifest="",
+                        eval_loss=1.0, work=0, train_share=share)
+
+
+def test_the_training_share_is_an_optional_tail_of_weights_announcements():
+    h = "ef" * 32
+    fields = dict(task_id="cd" * 32, round=2, peer_id="p", weights_hash=h, state_hash=h, state_manifest="",
+                  eval_loss=None, work=7)
+    without, with_share = WeightsAnnounce(**fields), WeightsAnnounce(**fields, train_share=0.75)
+    # Without a share it goes on the wire as before the field existed.
+    assert len(msgpack.unpackb(encode(without))) == 2 + len(dataclasses.fields(WeightsAnnounce)) - 1
+    assert decode(encode(without)) == without and decode(encode(with_share)) == with_share
+
+
 LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\n"
 LEGACY_ID = "b638cfee3a1f3361f696c7e8986bbd5de8d00557ff3c5c3c6896149506a6489c"
 """SPEC_TOML's task id before TaskSpec had an aggregation field (computed by that code)."""

@@ -1,0 +1,35 @@
+"""`shoal task show` as tables: the task's head, a row per node with its announced training share, the rounds."""
+
+from rich.console import Console
+
+from node.views import print_task
+
+A, B = "12D3KooW" + "a" * 44, "12D3KooW" + "b" * 44
+
+
+def shown(status: dict) -> str:
+    console = Console(record=True, width=220, color_system=None)
+    print_task(status, console)
+    return console.export_text()
+
+
+def test_task_show_lists_each_node_with_its_training_share():
+    text = shown({"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "joined", "phase": "round 3: training",
+                  "round": 3, "rounds": 10, "eval_loss": 2.25, "weights_hash": "cd" * 32, "members": [A, B],
+                  "train_seconds": 6.0, "round_seconds": 8.0, "bytes": {"sent": 10, "received": 20}, "dropped": {},
+                  "peers": [{"peer_id": A, "self": True, "member": True, "round": 2, "eval_loss": 2.25,
+                             "train_share": 0.75},
+                            {"peer_id": B, "self": False, "member": True, "round": 2, "eval_loss": 2.25,
+                             "train_share": None}],
+                  "agreement": [{"round": 2, "agreed": True, "peers_agreeing": 2, "members": 2, "eval_loss": 2.25,
+                                 "train_s": 2.0, "round_s": 2.5, "weights_hash": "cd" * 8}]})
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    nodes = {c[0].split()[0]: c for c in cells if c and c[0].startswith("12D3KooW")}
+    assert nodes[A] == [f"{A} (this node)", "yes", "2", "2.2500", "75%"]
+    assert nodes[B] == [B, "yes", "2", "2.2500", "-"]  # not trained yet: no share
+    assert "75% of round time training" in text and "2.2500" in text
+
+
+def test_task_show_of_a_declined_task_has_no_node_table():
+    text = shown({"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "declined", "reason": "needs a GPU"})
+    assert "declined (needs a GPU)" in text and "training share" not in text
