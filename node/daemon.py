@@ -100,6 +100,7 @@ class Node:
             "connected_peers": stats.connected_peers,
             "banned_peers": self.banned_peers(),
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
+            "wire_bytes": {"sent": stats.wire_bytes_sent, "received": stats.wire_bytes_received},
             "messages": {"in": dict(self.traffic.messages_in), "out": dict(self.traffic.messages_out),
                          "dropped": dict(self.traffic.drops)},
         }
@@ -147,6 +148,10 @@ class Node:
         yield "shoal_connected_peers", "gauge", "Open libp2p connections", {}, stats.connected_peers
         yield "shoal_bytes_sent_total", "counter", "Bytes written to peer streams", {}, stats.bytes_sent
         yield "shoal_bytes_received_total", "counter", "Bytes read from peer streams", {}, stats.bytes_received
+        yield ("shoal_wire_bytes_total", "counter", "Bytes on the node's TCP connections, all of libp2p's framing, "
+               "handshakes and gossip included", {"direction": "sent"}, stats.wire_bytes_sent)
+        yield ("shoal_wire_bytes_total", "counter", "Bytes on the node's TCP connections, all of libp2p's framing, "
+               "handshakes and gossip included", {"direction": "received"}, stats.wire_bytes_received)
         for topic, n in self.traffic.messages_in.items():
             yield "shoal_messages_in_total", "counter", "Gossip messages accepted", {"topic": topic}, n
         for topic, n in self.traffic.messages_out.items():

@@ -105,6 +105,10 @@ class HostStatistics:
     bytes_received: int = 0
     bytes_sent_by_peer: dict[str, int] = field(default_factory=dict)
     bytes_received_by_peer: dict[str, int] = field(default_factory=dict)
+    wire_bytes_sent: int = 0
+    """Every byte written to the host's TCP connections: our streams' payload and all that libp2p adds
+    (negotiation, Noise, Yamux framing, gossip, identify, ping). See p2p.wire."""
+    wire_bytes_received: int = 0
     gossip_published: int = 0
     gossip_received: int = 0
     gossip_rejected: int = 0

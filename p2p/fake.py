@@ -89,6 +89,7 @@ class FakeStream:
         data = await self._in.read(max_bytes)
         stats = self._owner._stats
         stats.bytes_received += len(data)
+        stats.wire_bytes_received += len(data)  # no framing in memory: the wire is the payload
         stats.bytes_received_by_peer[self.remote_peer] = stats.bytes_received_by_peer.get(self.remote_peer, 0) + len(data)
         return data
 
@@ -96,6 +97,7 @@ class FakeStream:
         await self._out.write(data)
         stats = self._owner._stats
         stats.bytes_sent += len(data)
+        stats.wire_bytes_sent += len(data)
         stats.bytes_sent_by_peer[self.remote_peer] = stats.bytes_sent_by_peer.get(self.remote_peer, 0) + len(data)
 
     async def close_write(self) -> None:
@@ -381,6 +383,8 @@ class FakeNetwork:
                 peer = self._hosts.get(peer_id)
                 if peer is None or not peer._alive or topic not in peer._subs or peer_id == origin.peer_id:
                     continue
+                relay._stats.wire_bytes_sent += len(data)  # every copy crosses a link, duplicates too
+                peer._stats.wire_bytes_received += len(data)
                 if peer._accept(topic, data, relay.peer_id, origin.peer_id, msg_id):
                     queue.append(peer)
 

@@ -32,6 +32,7 @@ from p2p.api import (GossipMessage, GossipValidator, HostConfig, HostStatistics,
 from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
                         guard_pubsub, guard_swarm_streams, protect_peerstore)
 from p2p.nat import NatService
+from p2p.wire import count_wire_bytes
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -89,14 +90,14 @@ class Libp2pHost:
     """p2p.api.Host over a running libp2p host; create it with open_host()."""
 
     def __init__(self, keypair: Keypair, config: HostConfig, raw_host: Any, pubsub: Pubsub,
-                 nursery: trio.Nursery, offences: Offences, gate: PeerGate):
+                 nursery: trio.Nursery, offences: Offences, gate: PeerGate, stats: HostStatistics):
         self.peer_id = keypair.peer_id
         self._offences, self._gate = offences, gate
         self._config = config
         self._host = raw_host
         self._pubsub = pubsub
         self._nursery = nursery
-        self._stats = HostStatistics()
+        self._stats = stats
         self._joined: dict[str, trio.Event] = {}
         self._forwarders: OrderedDict[bytes, str] = OrderedDict()
         self._publish_lock = trio.Lock()
@@ -419,6 +420,8 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
     config = config or HostConfig()
     listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
     raw_host, gossipsub, pubsub, offences, gate = _build_libp2p(keypair, config)
+    stats = HostStatistics()
+    count_wire_bytes(raw_host, stats)  # before the first connection, inbound ones included
     # The teardown scope encloses every context below, so cleanup can be shielded and bounded
     # without exiting a nursery from inside a younger cancel scope.
     with trio.CancelScope() as teardown:
@@ -431,7 +434,7 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
             await stack.enter_async_context(background_trio_service(gossipsub))
             await pubsub.wait_until_ready()
             nursery = await stack.enter_async_context(trio.open_nursery())
-            host = Libp2pHost(keypair, config, raw_host, pubsub, nursery, offences, gate)
+            host = Libp2pHost(keypair, config, raw_host, pubsub, nursery, offences, gate, stats)
             if config.nat:
                 host.nat = await nursery.start(NatService(raw_host, config).run)
             if config.mdns:

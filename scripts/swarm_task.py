@@ -81,7 +81,8 @@ class TaskRun:
 
     def publish(self) -> str:
         for node in self.swarm.nodes:
-            self.bytes_before[node.peer_id] = node.call("/status").get("bytes", {})
+            status = node.call("/status")
+            self.bytes_before[node.peer_id] = {"streams": status.get("bytes", {}), "wire": status.get("wire_bytes", {})}
         answer = self.swarm.nodes[0].call("/task/publish", self.fields)
         self.task_id, self.published_at = answer["task_id"], time.monotonic()
         if answer.get("decision") == "declined":
@@ -123,10 +124,12 @@ class TaskRun:
                     row["eval_loss"] = entry.get("eval_loss")  # a joiner's caught-up rows are not evaluated
         for row in rounds.values():
             row["hashes_agree"] = len(set(row["weights_hash_by_node"].values())) == 1
-        libp2p, task_bytes, utilization = {}, {}, {}
+        libp2p, wire, task_bytes, utilization = {}, {}, {}, {}
         for peer, status in self.final.items():
-            before, now = self.bytes_before.get(peer, {}), status.get("bytes", {})
-            libp2p[peer] = {k: now.get(k, 0) - before.get(k, 0) for k in ("sent", "received")}
+            before = self.bytes_before.get(peer, {})
+            for out, key, now in ((libp2p, "streams", status.get("bytes", {})),
+                                  (wire, "wire", status.get("wire_bytes", {}))):
+                out[peer] = {k: now.get(k, 0) - before.get(key, {}).get(k, 0) for k in ("sent", "received")}
             task = status.get("task") or {}
             task_bytes[peer] = task.get("bytes", {})
             train_s, round_s = task.get("train_seconds", 0.0), task.get("round_seconds", 0.0)
@@ -137,9 +140,11 @@ class TaskRun:
         return {
             "task": {"id": self.task_id, "phases": phases, "rounds": ordered,
                      "seconds": round((self.finished_at or time.monotonic()) - self.published_at, 1)},
-            # libp2p stream bytes (shards, manifests; gossip rides libp2p's own streams and is not in them),
-            # counted from the moment the task was published; the task's own SHARDCAST counters beside them.
-            "bytes_libp2p": libp2p, "bytes_task_shardcast": task_bytes, "utilization": utilization,
+            # Counted from the moment the task was published. bytes_wire: every byte on each node's TCP
+            # connections (gossip, handshakes, framing included: what its link carries); bytes_libp2p: the
+            # payload of our streams only (shards, manifests); the task's own SHARDCAST counters beside them.
+            "bytes_wire": wire, "bytes_libp2p": libp2p, "bytes_task_shardcast": task_bytes,
+            "utilization": utilization,
         }
 
     def ok(self, report: dict) -> tuple[bool, str]:

@@ -194,6 +194,31 @@ async def test_gossip_crosses_a_line_of_three_hosts(swarm):
             await wait_until(lambda: c.statistics().gossip_received == 1)
 
 
+async def test_wire_counters_hold_every_stream_and_gossip_byte(swarm):
+    # What a user's link carries: at least the streams' payload and every gossip copy; on real hosts
+    # also the handshakes and framing, which stay a small share of a bulk transfer.
+    with trio.fail_after(30):
+        async with swarm.hosts(2) as (a, b):
+            b.set_stream_handler(SINK, hash_sink)
+            ra, rb = await subscribe_line([a, b])
+            gossip = os.urandom(20_000)
+            await a.publish(TOPIC, gossip)
+            assert (await rb.receive()).data == gossip
+            stream = await a.open_stream(b.peer_id, SINK)
+            payload = os.urandom(2 * MIB)
+            await stream.write(payload)
+            await stream.close_write()
+            assert await read_frame(stream, 64) == hashlib.sha256(payload).digest()
+            moved = len(payload) + len(gossip)
+            await wait_until(lambda: b.statistics().wire_bytes_received >= moved)
+            sa, sb = a.statistics(), b.statistics()
+            assert sa.wire_bytes_sent >= moved and sb.wire_bytes_received >= moved
+            assert sa.bytes_sent == len(payload)  # the stream counters see the payload only
+            if swarm.kind == "libp2p":
+                assert sa.wire_bytes_sent > moved and sb.wire_bytes_sent > 32  # framing, acks, hash reply
+                assert sa.wire_bytes_sent < 1.05 * moved + 64 * 1024, (sa.wire_bytes_sent, moved)
+
+
 async def test_gossip_flows_again_after_a_disconnect_and_a_redial(swarm):
     # A dropped peer that comes back must be registered with gossip afresh: a stale registration
     # would leave the new connection without subscriptions, and every publish queued for good.

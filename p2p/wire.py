@@ -1,0 +1,57 @@
+"""Bytes on the wire: every byte of every TCP connection a host has, whatever rides on it.
+
+The counters in p2p.streams see only the payload of our own streams. A user's link also carries
+multistream negotiation, the Noise handshake and its per-frame tags, Yamux headers and window
+updates, gossip (messages, IHAVE/IWANT, GRAFT/PRUNE), identify and ping. Each TCP connection's
+socket stream is wrapped before the security upgrade, the first thing the swarm does with a new
+connection in either direction, so all of that is counted. A circuit through a relay is not a
+socket of its own: its bytes are counted once, on the TCP connection to the relay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libp2p.io.abc import ReadWriteCloser
+from libp2p.io.trio import TrioTCPStream
+
+from p2p.api import HostStatistics
+
+
+class CountedStream(ReadWriteCloser):
+    """A TCP connection's socket stream whose reads and writes are added to the host's wire counters."""
+
+    def __init__(self, inner: TrioTCPStream, stats: HostStatistics):
+        self._inner, self._stats = inner, stats
+
+    async def read(self, n: int | None = None) -> bytes:
+        data = await self._inner.read(n)
+        self._stats.wire_bytes_received += len(data)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        await self._inner.write(data)
+        self._stats.wire_bytes_sent += len(data)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return self._inner.get_remote_address()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)  # the socket, the locks: whatever libp2p reaches for
+
+
+def count_wire_bytes(raw_host: Any, stats: HostStatistics) -> None:
+    """Count the TCP bytes of every connection ``raw_host`` dials or accepts into ``stats``."""
+    upgrader = raw_host.get_network().upgrader
+    upgrade_security = upgrader.upgrade_security
+
+    async def counted_upgrade(raw_conn, is_initiator, peer_id=None):
+        stream = getattr(raw_conn, "stream", None)
+        if isinstance(stream, TrioTCPStream):
+            raw_conn.stream = CountedStream(stream, stats)
+        return await upgrade_security(raw_conn, is_initiator, peer_id)
+
+    upgrader.upgrade_security = counted_upgrade
