@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 
 from node.fsutil import fsync_dir, write_atomic
-from node.train.compress import (CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, Int8Payload, Int8Writer, decode_int8, encoded_size,
+from node.train.compress import (CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantPayload, QuantWriter, decode_blocks, encoded_size,
                                   tensor_bytes)
 from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
 from node.train.model import ModelConfig, init_model
@@ -50,12 +50,12 @@ def payload_tensor(data: bytes | bytearray) -> dict[str, torch.Tensor]:
     return {PAYLOAD: torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(0, dtype=torch.uint8)}
 
 
-def split_update(delta: Named, num_slices: int) -> list[bytearray]:
-    """Δ flattened in sorted-name order, cut into slices, each int8-encoded (chunk by chunk, no flat copy)."""
+def split_update(delta: Named, num_slices: int, bits: int = 8) -> list[bytearray]:
+    """Δ flattened in sorted-name order, cut into slices, each encoded at ``bits`` (chunk by chunk, no flat copy)."""
     names = sorted(delta)
     sizes = [delta[n].numel() for n in names]
     bounds = slice_bounds(sum(sizes), num_slices)
-    writers = [Int8Writer(b - a) for a, b in bounds]
+    writers = [QuantWriter(b - a, bits=bits) for a, b in bounds]
     pending = [torch.zeros(0)] * num_slices  # values waiting for a block boundary, per slice
     at = 0
     for name, n in zip(names, sizes):
@@ -68,7 +68,55 @@ def split_update(delta: Named, num_slices: int) -> list[bytearray]:
     return [w.out for w in writers]
 
 
-def _feed(writer: Int8Writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
+def split_with_feedback(delta: Named, num_slices: int, bits: int,
+                        residual: Named | None) -> tuple[list[bytearray], Named]:
+    """split_update of Δ plus what quantization dropped from the previous update (error feedback), and what it
+    drops from this one: the residual to add to the next. A residual whose names or shapes do not match Δ's
+    (another model) is ignored."""
+    if residual is not None and {n: t.shape for n, t in residual.items()} != {n: t.shape for n, t in delta.items()}:
+        residual = None
+    corrected = {n: delta[n].detach().to(torch.float32) + (residual[n] if residual else 0.0) for n in sorted(delta)}
+    payloads = split_update(corrected, num_slices, bits)
+    sizes = [t.numel() for t in corrected.values()]
+    bounds = slice_bounds(sum(sizes), num_slices)
+    sent = torch.cat([decode_blocks(p, b - a, bits=bits) for p, (a, b) in zip(payloads, bounds)])
+    new, at = {}, 0
+    for (name, t), n in zip(corrected.items(), sizes):
+        new[name] = t.reshape(-1).sub(sent[at:at + n]).reshape(t.shape)
+        at += n
+    return payloads, new
+
+
+RESIDUAL_PREFIX = "residual-r"
+
+
+def load_residual(directory: Path, round_: int) -> Named | None:
+    """The error-feedback residual left by the newest update before ``round_`` (work redone for a round starts
+    from the same residual as the first attempt); older ones are deleted."""
+    found = []
+    for path in directory.glob(f"{RESIDUAL_PREFIX}*.safetensors"):
+        try:
+            r = int(path.name[len(RESIDUAL_PREFIX):-len(".safetensors")])
+        except ValueError:
+            continue
+        if r < round_:
+            found.append((r, path))
+    if not found:
+        return None
+    found.sort()
+    for _, path in found[:-1]:
+        path.unlink(missing_ok=True)
+    try:
+        return load_named(found[-1][1])
+    except (OSError, SafetensorError):
+        return None  # a torn file: the feedback restarts from nothing, which costs only precision
+
+
+def save_residual(directory: Path, round_: int, residual: Named) -> None:
+    save_named(directory / f"{RESIDUAL_PREFIX}{round_}.safetensors", residual, durable=False)
+
+
+def _feed(writer: QuantWriter, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
     """Write values starting at slice offset ``lo`` (after ``pending``) in whole blocks; return what is left over."""
     if pending.numel():
         values = torch.cat([pending, values])
@@ -81,15 +129,15 @@ def _feed(writer: Int8Writer, lo: int, values: torch.Tensor, pending: torch.Tens
     return values[cut:].clone() if cut < values.numel() else torch.zeros(0)
 
 
-def payload_bytes(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int) -> bytes:
-    """The int8 payload of a slice manifest as bytes (see payload_view)."""
-    return tensor_bytes(payload_view(manifest, tensors, numel))
+def payload_bytes(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int, bits: int = 8) -> bytes:
+    """The payload of a slice manifest as bytes (see payload_view)."""
+    return tensor_bytes(payload_view(manifest, tensors, numel, bits))
 
 
-def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
-    """The int8 payload of a slice manifest as a uint8 view, no copy; IntegrityError unless it is exactly one
-    tensor of the right size."""
-    expected = encoded_size(numel)
+def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int, bits: int = 8) -> torch.Tensor:
+    """The payload (``bits`` per value) of a slice manifest as a uint8 view, no copy; IntegrityError unless it is
+    exactly one tensor of the right size."""
+    expected = encoded_size(numel, bits=bits)
     entries = manifest.tensors
     if len(entries) != 1 or entries[0].name != PAYLOAD or entries[0].dtype != "uint8" \
             or entries[0].shape != (expected,):
@@ -98,48 +146,50 @@ def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: in
     return tensors[PAYLOAD]
 
 
-def decode_slice(data, numel: int) -> torch.Tensor:
+def decode_slice(data, numel: int, bits: int = 8) -> torch.Tensor:
     try:
-        return decode_int8(data, numel)
+        return decode_blocks(data, numel, bits=bits)
+    except ValueError as exc:
+        raise IntegrityError(f"bad {bits}-bit slice: {exc}") from None
+
+
+def _open_slice(data, numel: int) -> QuantPayload:
+    try:
+        return QuantPayload(data, numel)
     except ValueError as exc:
         raise IntegrityError(f"bad int8 slice: {exc}") from None
 
 
-def _open_slice(data, numel: int) -> Int8Payload:
-    try:
-        return Int8Payload(data, numel)
-    except ValueError as exc:
-        raise IntegrityError(f"bad int8 slice: {exc}") from None
-
-
-def aggregate(slices: dict[str, tuple[bytes, int]], numel: int) -> tuple[bytearray, str, list[str]]:
+def aggregate(slices: dict[str, tuple[bytes, int]], numel: int, bits: int = 8) -> tuple[bytearray, str, list[str]]:
     """aggregate_payload, and the sha256 of the result."""
-    out, bad = aggregate_payload(slices, numel)
+    out, bad = aggregate_payload(slices, numel, bits)
     return out, hashlib.sha256(out).hexdigest(), bad
 
 
-def open_slices(slices: dict, numel: int) -> tuple[dict[str, Int8Payload], list[str]]:
-    """Each producer's int8 slice opened (sorted producer order), and the producers whose slice does not decode."""
+def open_slices(slices: dict, numel: int, bits: int = 8) -> tuple[dict[str, QuantPayload], list[str]]:
+    """Each producer's slice (``bits`` per value) opened in sorted producer order, and the producers whose slice
+    does not decode."""
     views, bad = {}, []
     for peer in sorted(slices):
         try:
-            views[peer] = Int8Payload(slices[peer][0], numel)
+            views[peer] = QuantPayload(slices[peer][0], numel, bits=bits)
         except ValueError:
             bad.append(peer)
     return views, bad
 
 
-def aggregate_payload(slices: dict, numel: int) -> tuple[bytearray, list[str]]:
-    """Weighted mean (by samples, sorted producer order) of the int8 slices, int8-encoded, and the producers whose
-    slice did not decode (left out). Streams: chunk by chunk, each producer's int8 bytes decoded into one scratch
+def aggregate_payload(slices: dict, numel: int, bits: int = 8) -> tuple[bytearray, list[str]]:
+    """Weighted mean (by samples, sorted producer order) of the producers' slices (``bits`` per value), always
+    int8-encoded, and the producers whose slice did not decode (left out). Streams: chunk by chunk, each
+    producer's bytes decoded into one scratch
     buffer and added in, with the same operations in the same order as diloco.weighted_mean (zeros, then
     acc + decoded * w per producer), so every aggregator computes the same bits; nothing whole-slice in fp32."""
-    views, bad = open_slices(slices, numel)
+    views, bad = open_slices(slices, numel, bits)
     if not views:
         raise IntegrityError("no slice decoded")
     total = math.fsum(float(slices[p][1]) for p in views)
     weights = {p: torch.tensor(float(slices[p][1]) / total, dtype=torch.float32) for p in views}
-    writer = Int8Writer(numel)
+    writer = QuantWriter(numel)
     step = CHUNK_BLOCKS * writer.block_size
     acc = torch.empty(min(step, numel), dtype=torch.float32)
     scratch = torch.empty((CHUNK_BLOCKS + 2) * writer.block_size, dtype=torch.float32)

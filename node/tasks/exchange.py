@@ -15,6 +15,7 @@ from pathlib import Path
 import trio
 
 from node.tasks import compute, robust
+from node.train.compress import BITS
 from node.train.diloco import load_named
 from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
@@ -41,6 +42,8 @@ class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
                  penalize: Callable[[str, str], None], num_params: Callable[[], int]):
         self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
+        self.bits = BITS[spec.compression]
+        """Bits per value of the producers' slices; aggregates are always int8."""
         self.num_params = num_params
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize = keypair.peer_id, keypair, penalize
@@ -82,11 +85,11 @@ class Exchange:
         return manifest, tensors
 
     async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float, *,
-                             kept: dict[int, set[bytes]], round_: int):
-        """(manifest, the int8 payload as a uint8 view), remembered under ``round_`` in ``kept`` for release."""
+                             kept: dict[int, set[bytes]], round_: int, bits: int = 8):
+        """(manifest, the payload as a uint8 view), remembered under ``round_`` in ``kept`` for release."""
         kept.setdefault(round_, set()).add(bytes.fromhex(manifest_hex))
         manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False)
-        return manifest, compute.payload_view(manifest, tensors, numel)
+        return manifest, compute.payload_view(manifest, tensors, numel, bits)
 
     def _slice_numel(self, slice_index: int) -> int:
         a, b = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)[slice_index]
@@ -103,9 +106,17 @@ class Exchange:
         return await self.shardcast.publish_blob(data, entries, label=label, durable=False)
 
     async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
-        """The trainer's Δ for ``round_``, int8-encoded slice by slice and published: one manifest id per slice."""
+        """The trainer's Δ for ``round_``, encoded slice by slice at the task's compression and published: one
+        manifest id per slice. Below 8 bits, with error feedback: what quantization dropped from this node's
+        last update is added to this one, and what it drops now is kept (on disk) for the next."""
         delta = await trio.to_thread.run_sync(load_named, delta_path)
-        payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
+        if self.bits < 8:
+            residual = await trio.to_thread.run_sync(compute.load_residual, self.dir, round_)
+            payloads, residual = await trio.to_thread.run_sync(
+                compute.split_with_feedback, delta, self.spec.aggregation_shards, self.bits, residual)
+            await trio.to_thread.run_sync(compute.save_residual, self.dir, round_, residual)
+        else:
+            payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
         ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}") for s, p in enumerate(payloads)]
         self._slices.setdefault(round_, set()).update(bytes.fromhex(i) for i in ids)
         return ids
@@ -157,7 +168,8 @@ class Exchange:
         async def one(update) -> None:
             try:
                 manifest, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
-                                                           deadline_s, kept=self._slices, round_=job.round)
+                                                           deadline_s, kept=self._slices, round_=job.round,
+                                                           bits=self.bits)
                 got[update.producer] = (data, update.samples)
                 sources[update.producer] = manifest
             except RemoteProtocolError as exc:
@@ -175,7 +187,8 @@ class Exchange:
             return None
         try:
             # Decoded once, here, where it is combined: a slice that does not decode is its producer's fault.
-            data, bad = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel, self.spec.aggregation)
+            data, bad = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel, self.spec.aggregation,
+                                                      self.bits)
         except IntegrityError as exc:
             log.warning("task %s round %d: slice %d not aggregated: %s", self.tid[:12], job.round, job.slice, exc)
             bad, data = list(got), None

@@ -1,6 +1,6 @@
 """Robust aggregation of one slice: a norm bound, trimmed mean, coordinate-wise median, centered clipping.
 
-Every rule streams over the int8 slices chunk by chunk, like compute.aggregate_payload: a chunk of
+Every rule streams over the producers' slices (8, 4 or 2 bits a value) chunk by chunk, like compute.aggregate_payload: a chunk of
 each producer is decoded, combined and written; nothing whole-slice is kept per producer (centered
 clipping keeps one whole-slice center). Every node must compute the same bits, so: producers in
 sorted order, CPU float32, sums of a chunk's rows added one row after another (elementwise, so no
@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from node.tasks import compute
-from node.train.compress import Int8Payload, Int8Writer
+from node.train.compress import QuantPayload, QuantWriter
 from protocol.errors import IntegrityError
 from protocol.task import AggregationSpec
 
@@ -34,15 +34,17 @@ _ROW = 256
 """Values per partial sum of a norm: each summed by one thread, whatever the thread count."""
 
 
-def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN) -> tuple[bytearray, list[str]]:
-    """The slice's aggregate under ``spec``, int8-encoded, and the producers left out because their slice did not
-    decode or its norm is past MAX_NORM; IntegrityError when none is left."""
+def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN,
+                    bits: int = 8) -> tuple[bytearray, list[str]]:
+    """The slice's aggregate under ``spec`` of the producers' slices (``bits`` per value), int8-encoded, and the
+    producers left out because their slice did not decode or its norm is past MAX_NORM; IntegrityError when none
+    is left."""
     if spec.rule == "mean" and spec.norm_bound == 0:
         try:
-            return compute.aggregate_payload(slices, numel)
+            return compute.aggregate_payload(slices, numel, bits)
         except ValueError:
             pass  # the mean overflowed float32: below, the slices past MAX_NORM are left out and blamed
-    views, bad = compute.open_slices(slices, numel)
+    views, bad = compute.open_slices(slices, numel, bits)
     norms = {p: _norm(v, numel) for p, v in views.items()}
     for peer in [p for p, n in norms.items() if not n <= MAX_NORM]:
         bad.append(peer)
@@ -64,7 +66,7 @@ def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN) -> 
     return _centered_clip(agg, spec.clip_radius), bad
 
 
-def _norm(view: Int8Payload, numel: int) -> float:
+def _norm(view: QuantPayload, numel: int) -> float:
     """The L2 norm of a decoded slice, the same float whatever the thread count."""
     step = compute.CHUNK_BLOCKS * view.block_size
     scratch = view.scratch(step)
@@ -95,7 +97,7 @@ def _bound_scales(norms: dict[str, float], bound: float) -> list[torch.Tensor | 
 class _Slices:
     """The producers' slices (sorted), norm-bounded, decoded a chunk at a time into one [producers, chunk] stack."""
 
-    def __init__(self, views: dict[str, Int8Payload], numel: int, scales: list[torch.Tensor | None]):
+    def __init__(self, views: dict[str, QuantPayload], numel: int, scales: list[torch.Tensor | None]):
         self.views, self.numel, self.scales = list(views.values()), numel, scales
         bs = self.views[0].block_size
         blocks = max(1, min(compute.CHUNK_BLOCKS, STACK_VALUES // (bs * len(self.views))))
@@ -115,7 +117,7 @@ class _Slices:
             yield lo, hi, stack
 
     def write(self, combine) -> bytearray:
-        writer = Int8Writer(self.numel)
+        writer = QuantWriter(self.numel)
         for lo, hi, stack in self.chunks():
             writer.write(lo, combine(lo, hi, stack))
         return writer.out

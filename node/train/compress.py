@@ -1,8 +1,11 @@
-"""Block-wise int8 quantization of flat float32 updates, a raw byte layout for it, and error feedback.
+"""Block-wise quantization of flat float32 updates to 8, 4 or 2 bits, a raw byte layout for it, and error feedback.
 
-Layout of encode_int8 for n values and block size b: ceil(n / b) float32 scales (little-endian,
-one per block, absmax / 127), then n int8 values. Nothing else: the reader knows n and b from
-the manifest, so a length that does not match is refused before anything is built from it.
+Layout for n values, block size b and w bits: ceil(n / b) float32 scales (little-endian, one per
+block, absmax / qmax with qmax = 2^(w-1) - 1: 127, 7 or 1), then the n values. At 8 bits each value
+is one int8; at 4 and 2 bits each is stored as q + qmax (0 .. 2 qmax) in w bits, 8 / w to a byte,
+the first value in the lowest bits, the last byte padded with zeros. Nothing else: the reader knows
+n, b and w from the task, so a length that does not match is refused before anything is built
+from it. Decoding is elementwise (q times its block's scale), so every node gets the same bits.
 """
 
 from __future__ import annotations
@@ -14,17 +17,28 @@ import torch
 
 DEFAULT_BLOCK_SIZE = 256
 _QMAX = 127.0
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+"""Bits per value of each compression a task may name."""
 
-assert sys.byteorder == "little", "the int8 layout writes host-order float32 scales"
+assert sys.byteorder == "little", "the layout writes host-order float32 scales"
+
+
+def qmax(bits: int) -> float:
+    return float(2 ** (bits - 1) - 1)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (8, 4, 2):
+        raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
 
 
 def num_blocks(numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     return -(-numel // block_size)
 
 
-def encoded_size(numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of encode_int8 for numel values: 4 per block scale plus 1 per value."""
-    return 4 * num_blocks(numel, block_size) + numel
+def encoded_size(numel: int, block_size: int = DEFAULT_BLOCK_SIZE, bits: int = 8) -> int:
+    """Bytes of the layout for numel values: 4 per block scale plus bits / 8 per value (rounded up)."""
+    return 4 * num_blocks(numel, block_size) + -(-numel * bits // 8)
 
 
 def _check_flat(tensor: torch.Tensor) -> None:
@@ -67,11 +81,17 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def encode_int8(flat: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> bytearray:
-    """The layout above, built chunk by chunk into one buffer: quantize_int8's bits without its full-size temporaries."""
+    """The layout above at 8 bits, built chunk by chunk into one buffer: quantize_int8's bits without its
+    full-size temporaries."""
+    return encode_blocks(flat, block_size, bits=8)
+
+
+def encode_blocks(flat: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8) -> bytearray:
+    """The layout above at ``bits`` bits, chunk by chunk."""
     _check_flat(flat)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    writer = Int8Writer(flat.numel(), block_size)
+    writer = QuantWriter(flat.numel(), block_size, bits=bits)
     flat = flat.contiguous()
     step = CHUNK_BLOCKS * block_size
     for lo in range(0, flat.numel(), step):
@@ -83,25 +103,46 @@ CHUNK_BLOCKS = 4096
 """Blocks per chunk of the streaming coders: 1M values at the default block size, a few MB of temporaries."""
 
 
-def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor) -> None:
-    """quantize_int8 on whole blocks, written into the caller's views: the same operations, so the same bits."""
+def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor, limit: float = _QMAX) -> None:
+    """quantize_int8 on whole blocks (at ``limit`` = qmax), written into the caller's views: the same
+    operations, so the same bits."""
     if not torch.isfinite(blocks).all():
         raise ValueError("cannot quantize non-finite values (nan or inf in the update)")
-    scales = blocks.abs().amax(dim=1) / _QMAX
+    scales = blocks.abs().amax(dim=1) / limit
     scales_out.copy_(scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q_out.copy_(torch.round(blocks / safe[:, None]).clamp_(-_QMAX, _QMAX))
+    q_out.copy_(torch.round(blocks / safe[:, None]).clamp_(-limit, limit))
 
 
-class Int8Writer:
-    """Builds one encode_int8 payload from consecutive block-aligned runs of values (see encode_int8)."""
+def _pack(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 values below 2^bits, 8 / bits to a byte, the first in the lowest bits."""
+    per = 8 // bits
+    lanes = u.view(-1, per)
+    out = lanes[:, 0].clone()
+    for j in range(1, per):
+        out |= lanes[:, j] << (bits * j)
+    return out
 
-    def __init__(self, numel: int, block_size: int = DEFAULT_BLOCK_SIZE):
-        self.numel, self.block_size = numel, block_size
-        self.out = bytearray(encoded_size(numel, block_size))
+
+def _unpack(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((raw.unsqueeze(1) >> shifts) & (2 ** bits - 1)).view(-1)
+
+
+class QuantWriter:
+    """Builds one payload of the layout above from consecutive block-aligned runs of values."""
+
+    def __init__(self, numel: int, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8):
+        _check_bits(bits)
+        if bits < 8 and block_size % (8 // bits):
+            raise ValueError(f"block_size must be a multiple of {8 // bits} at {bits} bits, got {block_size}")
+        self.numel, self.block_size, self.bits = numel, block_size, bits
+        self.limit = qmax(bits)
+        self.out = bytearray(encoded_size(numel, block_size, bits))
         split = 4 * num_blocks(numel, block_size)
         self._scales = torch.frombuffer(self.out, dtype=torch.float32, count=split // 4) if split else None
-        self._q = torch.frombuffer(self.out, dtype=torch.int8, offset=split) if numel else None
+        self._q = torch.frombuffer(self.out, dtype=torch.int8, offset=split) if numel and bits == 8 else None
+        self._packed = torch.frombuffer(self.out, dtype=torch.uint8, offset=split) if numel and bits < 8 else None
 
     def write(self, lo: int, values: torch.Tensor) -> None:
         """Values ``lo .. lo + len(values)``; ``lo`` starts a block, and only the last run may end mid-block."""
@@ -111,28 +152,47 @@ class Int8Writer:
             return
         b0, full = lo // bs, n // bs
         if full:
-            _quantize_blocks(values[:full * bs].view(full, bs), self._scales[b0:b0 + full],
-                             self._q[lo:lo + full * bs].view(full, bs))
+            blocks = values[:full * bs].view(full, bs)
+            if self._q is not None:
+                _quantize_blocks(blocks, self._scales[b0:b0 + full], self._q[lo:lo + full * bs].view(full, bs))
+            else:
+                q = torch.empty(full, bs, dtype=torch.int8)
+                _quantize_blocks(blocks, self._scales[b0:b0 + full], q, self.limit)
+                self._put(lo, (q.view(-1) + int(self.limit)).to(torch.uint8))
         rest = n - full * bs
         if rest:
             padded = torch.zeros(1, bs, dtype=torch.float32)
             padded[0, :rest] = values[full * bs:]
             q = torch.empty(1, bs, dtype=torch.int8)
-            _quantize_blocks(padded, self._scales[b0 + full:b0 + full + 1], q)
-            self._q[lo + full * bs:].copy_(q.view(-1)[:rest])
+            _quantize_blocks(padded, self._scales[b0 + full:b0 + full + 1], q, self.limit)
+            at = lo + full * bs
+            if self._q is not None:
+                self._q[at:].copy_(q.view(-1)[:rest])
+            else:
+                u = torch.zeros(bs, dtype=torch.uint8)  # the padding past the last value stays zero bits
+                u[:rest] = (q.view(-1)[:rest] + int(self.limit)).to(torch.uint8)
+                self._put(at, u, count=rest)
+
+    def _put(self, lo: int, u: torch.Tensor, count: int | None = None) -> None:
+        packed = _pack(u, self.bits)
+        start = lo * self.bits // 8
+        length = packed.numel() if count is None else -(-count * self.bits // 8)
+        self._packed[start:start + length].copy_(packed[:length])
 
 
-class Int8Payload:
-    """One encode_int8 payload viewed in place (bytes-like or a uint8 tensor, never copied unless read-only),
-    checked once, decoded range by range into the caller's scratch buffer."""
+class QuantPayload:
+    """One payload of the layout above viewed in place (bytes-like or a uint8 tensor, never copied unless
+    read-only), checked once, decoded range by range into the caller's scratch buffer."""
 
-    def __init__(self, data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8):
+        _check_bits(bits)
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
-        expected = encoded_size(numel, block_size)
+        expected = encoded_size(numel, block_size, bits)
         if len(data) != expected:
-            raise ValueError(f"int8 payload for {numel} values is {expected} bytes, got {len(data)}")
-        self.numel, self.block_size = numel, block_size
+            raise ValueError(f"{bits}-bit payload for {numel} values is {expected} bytes, got {len(data)}")
+        self.numel, self.block_size, self.bits = numel, block_size, bits
+        self.limit = qmax(bits)
         if isinstance(data, torch.Tensor):
             raw = data.reshape(-1).view(torch.uint8)
         elif numel:
@@ -142,21 +202,27 @@ class Int8Payload:
         split = 4 * num_blocks(numel, block_size)
         # The scales sit at the payload's start, so an aligned buffer gives an aligned float32 view.
         self.scales = raw[:split].view(torch.float32) if split else torch.zeros(0)
-        self.q = raw[split:].view(torch.int8)
+        self.q = raw[split:].view(torch.int8) if bits == 8 else None
+        self.packed = raw[split:] if bits < 8 else None
         if split and not (torch.isfinite(self.scales).all() and (self.scales >= 0).all()):
-            raise ValueError("int8 payload has a negative or non-finite block scale")
+            raise ValueError(f"{bits}-bit payload has a negative or non-finite block scale")
 
     def scratch(self, numel: int) -> torch.Tensor:
         """A buffer big enough for decode of any ``numel`` values (whole covering blocks)."""
         return torch.empty((numel // self.block_size + 2) * self.block_size, dtype=torch.float32)
 
     def decode(self, lo: int, hi: int, scratch: torch.Tensor) -> torch.Tensor:
-        """float32 values lo .. hi, as dequantize_int8 computes them, in a view of ``scratch``."""
+        """float32 values lo .. hi (q times its block's scale), in a view of ``scratch``."""
         bs = self.block_size
         b0, b1 = lo // bs, -(-hi // bs)
         span = scratch[:(b1 - b0) * bs]
         have = min(self.numel, b1 * bs) - b0 * bs
-        span[:have].copy_(self.q[b0 * bs:b0 * bs + have])
+        if self.q is not None:
+            span[:have].copy_(self.q[b0 * bs:b0 * bs + have])
+        else:
+            per = 8 // self.bits
+            first, last = b0 * bs // per, -(-(b0 * bs + have) // per)
+            span[:have].copy_(_unpack(self.packed[first:last], self.bits)[:have]).sub_(self.limit)
         span[have:].zero_()
         span.view(-1, bs).mul_(self.scales[b0:b1, None])
         return span[lo - b0 * bs:hi - b0 * bs]
@@ -164,12 +230,17 @@ class Int8Payload:
 
 def check_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """ValueError unless decode_int8 would accept ``data``; reads only the scales (1/64 of the bytes)."""
-    Int8Payload(data, numel, block_size)
+    QuantPayload(data, numel, block_size)
 
 
 def decode_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """Inverse of encode_int8; a wrong length or a negative or non-finite scale is a ValueError."""
-    payload = Int8Payload(data, numel, block_size)
+    return decode_blocks(data, numel, block_size, bits=8)
+
+
+def decode_blocks(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8) -> torch.Tensor:
+    """Inverse of encode_blocks at ``bits``; a wrong length or a negative or non-finite scale is a ValueError."""
+    payload = QuantPayload(data, numel, block_size, bits=bits)
     if numel == 0:
         return torch.zeros(0, dtype=torch.float32)
     return payload.decode(0, numel, payload.scratch(numel))
@@ -178,16 +249,17 @@ def decode_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch
 class ErrorFeedback:
     """Per-parameter residuals: what quantization dropped this round is added back next round."""
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
-        self.block_size = block_size
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8):
+        _check_bits(bits)
+        self.block_size, self.bits = block_size, bits
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def encode(self, name: str, flat: torch.Tensor) -> bytes:
-        """encode_int8(flat + residual), keeping the new residual for this name."""
+    def encode(self, name: str, flat: torch.Tensor) -> bytearray:
+        """encode_blocks(flat + residual), keeping the new residual for this name."""
         _check_flat(flat)
         corrected = flat + self.residuals[name] if name in self.residuals else flat
-        data = encode_int8(corrected, self.block_size)
-        self.residuals[name] = corrected - decode_int8(data, corrected.numel(), self.block_size)
+        data = encode_blocks(corrected, self.block_size, bits=self.bits)
+        self.residuals[name] = corrected - decode_blocks(data, corrected.numel(), self.block_size, bits=self.bits)
         return data
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -138,7 +138,7 @@ def test_streaming_keeps_chunks_small(monkeypatch):
     monkeypatch.setattr(compress, "CHUNK_BLOCKS", 2)
     monkeypatch.setattr(compute, "CHUNK_BLOCKS", 2)
     numel = 40 * 256
-    agg = robust._Slices({p: compress.Int8Payload(v[0], numel) for p, v in honest(numel).items()}, numel,
+    agg = robust._Slices({p: compress.QuantPayload(v[0], numel) for p, v in honest(numel).items()}, numel,
                          [None] * 5)
     assert agg.stack.shape == (5, 2 * 256)
 

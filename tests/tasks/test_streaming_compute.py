@@ -172,3 +172,44 @@ def test_a_resync_to_another_history_at_the_same_round_keeps_the_complete_one_un
     compute.save_checkpoint(tmp_path, theirs)
     back = compute.load_checkpoint(tmp_path, spec)
     assert back.state_hash() == theirs.state_hash() and back.work == 2
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_low_bit_slices_aggregate_to_the_mean_of_their_decoded_values(bits):
+    updates = {f"p{i}": named(10 + i, scale=1e-2) for i in range(3)}
+    samples = {"p0": 8, "p1": 8, "p2": 16}
+    payloads = {p: compute.split_update(d, 3, bits) for p, d in updates.items()}
+    numel = sum(t.numel() for t in updates["p0"].values())
+    for s, (a, b) in enumerate(compute.slice_bounds(numel, 3)):
+        got, _, bad = compute.aggregate({p: (payloads[p][s], samples[p]) for p in updates}, b - a, bits)
+        assert bad == []
+        decoded = {p: compress.decode_blocks(payloads[p][s], b - a, bits=bits) for p in updates}
+        acc = torch.zeros(b - a)
+        for p in sorted(updates):
+            acc = acc + decoded[p] * torch.tensor(samples[p] / 32.0)
+        assert got == encode_int8(acc)  # the aggregate itself is int8, whatever the producers sent
+        with pytest.raises(IntegrityError):
+            compute.aggregate({"p0": (payloads["p0"][s], 8)}, b - a, 8)  # read at the wrong width: refused
+
+
+def test_error_feedback_residuals_are_what_the_slices_dropped_and_a_redo_reuses_the_first_input(tmp_path):
+    delta = named(3, scale=1e-2)
+    payloads, residual = compute.split_with_feedback(delta, 2, 2, None)
+    assert payloads == compute.split_update(delta, 2, 2)
+    flat = torch.cat([compress.decode_blocks(p, b - a, bits=2) for p, (a, b) in
+                      zip(payloads, compute.slice_bounds(sum(t.numel() for t in delta.values()), 2))])
+    assert torch.allclose(flatten(residual)[0], flatten(delta)[0] - flat)
+    # The next update carries the residual; one for another model is ignored.
+    again, _ = compute.split_with_feedback(delta, 2, 2, residual)
+    assert again == compute.split_update({n: delta[n] + residual[n] for n in delta}, 2, 2)
+    assert compute.split_with_feedback(delta, 2, 2, {"other": torch.zeros(3)})[0] == payloads
+    # On disk: round 4's update starts from round 3's residual; redoing round 4 starts from it again.
+    compute.save_residual(tmp_path, 2, named(1))
+    compute.save_residual(tmp_path, 3, residual)
+    assert compute.load_residual(tmp_path, 0) is None
+    assert torch.equal(flatten(compute.load_residual(tmp_path, 4))[0], flatten(residual)[0])
+    assert not (tmp_path / "residual-r2.safetensors").exists()  # superseded
+    compute.save_residual(tmp_path, 4, named(2))
+    assert torch.equal(flatten(compute.load_residual(tmp_path, 4))[0], flatten(residual)[0])
+    (tmp_path / "residual-r4.safetensors").write_bytes(b"torn")
+    assert compute.load_residual(tmp_path, 5) is None
