@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
 """DiLoCo through a real swarm against synchronous data parallel and one node alone, on the same samples.
 
-All three runs start from one warm start (pretrain_steps of single-worker training, as in the
-DiLoCo paper), train the same model on the same corpus for the same number of sequences, and
-are scored by the same held-out evaluation (node.train.simulate.heldout_loss: same bytes,
-batches and seed). The swarm run is K node processes (scripts/local_swarm.Swarm) training a
-task whose init_manifest names the warm start, published over SHARDCAST on node 0; its final
-weights are read from node 0's checkpoint and scored here.
+For each seed, and both from a shared warm start (pretrain_steps of single-worker training, as in
+the DiLoCo paper) and from scratch, three runs train the same model on the same corpus for the
+same number of sequences and are scored by the same held-out evaluation
+(node.train.simulate.heldout_loss: same bytes, batches and seed). The swarm run is K node
+processes (scripts/local_swarm.Swarm) training a task whose init_manifest names the starting
+weights, published over SHARDCAST on node 0; its final weights are read from node 0's checkpoint.
 
-Bytes per node: data parallel is counted as a ring all-reduce would move it (2(K-1)/K of the
-fp32 gradient per step each way); DiLoCo is measured, libp2p stream bytes sent + received from
-each node's /status during the task (gossip control messages ride py-libp2p's own streams and
-are not in that count; with --netlab the hosts' interface counters, which include them, are
-reported too). Both are sent + received.
+Bytes per node, sent + received: data parallel as a ring all-reduce moves them (2(K-1)/K of the
+gradient per step each way; fp32, and bf16 beside it); DiLoCo as measured on each node's TCP
+connections (p2p.wire: gossip, handshakes and framing included) from the task's publication to
+its end, for the node that moved the most. The stream payload alone is reported beside it, and
+with --netlab each host's interface counters too. Training share: each node's trainer seconds
+over its rounds' wall seconds; the lowest node's is reported.
 
     python scripts/bench_diloco.py --quick
     python scripts/bench_diloco.py --json-out diloco.json
@@ -37,23 +38,27 @@ if str(ROOT) not in sys.path:
 from scripts.local_swarm import READY_TIMEOUT_S, TASK_ENV, Swarm, netlab_interrupts  # noqa: E402
 from scripts.swarm_task import TaskRun, timeout_s  # noqa: E402
 
-FULL = dict(workers=4, rounds=20, inner_steps=40, pretrain_steps=600)
-QUICK = dict(workers=3, rounds=8, inner_steps=40, pretrain_steps=600)
+FULL = dict(workers=4, rounds=20, inner_steps=40, pretrain_steps=600, seeds="1,2,3", starts="warm,scratch")
+QUICK = dict(workers=3, rounds=8, inner_steps=40, pretrain_steps=600, seeds="1,2", starts="warm,scratch")
 TARGET_LOSS_GAP_PCT = 3.0
-TARGET_BYTES_RATIO = 100.0
+"""Eval-loss gap of DiLoCo against fp32 data parallel, warm start, mean over seeds."""
+TARGET_BYTES_RATIO = 1000.0
+"""fp32 data parallel's bytes per node over DiLoCo's (the busiest node's, on the wire)."""
+TARGET_TRAIN_SHARE = 0.95
+"""The lowest node's share of wall time spent training."""
 
 
 def log(text: str) -> None:
     print(f"bench_diloco: {text}", file=sys.stderr, flush=True)
 
 
-def make_setup(args):
+def make_setup(args, *, seed: int, warm: bool):
     from node.train.inner import AdamWConfig
     from node.train.model import ModelConfig
     from node.train.simulate import SimSetup
     model = ModelConfig(n_layer=2, n_head=4, d_model=64, seq_len=32)
-    return SimSetup(model=model, adamw=AdamWConfig(lr=3e-3), batch_size=8, num_shards=64,
-                    pretrain_steps=args.pretrain_steps)
+    return SimSetup(model=model, adamw=AdamWConfig(lr=3e-3), batch_size=8, num_shards=64, seed=seed,
+                    pretrain_steps=args.pretrain_steps if warm else 0)
 
 
 def task_fields(setup, args) -> dict:
@@ -90,13 +95,14 @@ def interface_bytes(lab) -> dict[str, int]:
     return out
 
 
-def run_swarm(setup, args, start, work_dir: Path, lab) -> dict:
+def run_swarm(setup, args, start, work_dir: Path, lab, *, compression: str) -> dict:
     from node.train.diloco import load_named, save_named, weights_hash
     from node.train.simulate import heldout_loss
 
+    work_dir.mkdir(parents=True, exist_ok=True)
     init_path = work_dir / "init.safetensors"
     save_named(init_path, start)
-    fields = task_fields(setup, args)
+    fields = {**task_fields(setup, args), "compression": compression}
     swarm = Swarm(args.workers, work_dir, lab=lab, env=TASK_ENV)
     try:
         swarm.start()
@@ -130,20 +136,90 @@ def run_swarm(setup, args, start, work_dir: Path, lab) -> dict:
         raise RuntimeError(f"swarm run failed: {verdict}")
     last_hash = rounds[-1]["weights_hash_by_node"][swarm.nodes[0].peer_id]
     assert weights_hash(final).startswith(last_hash), "node 0's checkpoint is not its last agreed weights"
-    libp2p = report["bytes_libp2p"]
-    per_node = [b["sent"] + b["received"] for b in libp2p.values()]
+    wire, libp2p = report["bytes_wire"], report["bytes_libp2p"]
+    per_node = {peer: b["sent"] + b["received"] for peer, b in wire.items()}
+    shares = {peer: u["train_fraction"] for peer, u in report["utilization"].items()}
     out = {
         "eval_loss": round(heldout_loss(setup, final), 4),
-        "bytes_per_node": sum(per_node) // len(per_node),
+        "bytes_per_node": max(per_node.values()),
+        "bytes_per_node_mean": sum(per_node.values()) // len(per_node),
+        "stream_bytes_per_node": max(b["sent"] + b["received"] for b in libp2p.values()),
         "weights_hashes_agree": all(r["hashes_agree"] for r in rounds),
         "rounds": len(rounds), "members_per_round": sorted({r["members"] for r in rounds}),
         "node_eval_losses": [r["eval_loss"] for r in rounds],
-        "bytes_libp2p_by_node": libp2p, "utilization": report["utilization"],
+        "train_share_by_node": shares,
+        "train_share_min": min((x for x in shares.values() if x is not None), default=None),
+        "bytes_wire_by_node": wire, "bytes_libp2p_by_node": libp2p, "utilization": report["utilization"],
         "seconds": report["task"]["seconds"],
     }
     if iface_before:
         moved = [iface_after[h] - iface_before[h] for h in iface_before]
-        out["interface_bytes_per_node"] = sum(moved) // len(moved)
+        out["interface_bytes_per_node"] = max(moved)
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"mean": round(mean, 3), "stdev": round(sd, 3), "min": round(min(values), 3), "max": round(max(values), 3),
+            "n": len(values)}
+
+
+def one_run(args, *, seed: int, warm: bool, work_dir: Path, lab) -> list[dict]:
+    """For one seed and one start, side by side: a swarm run per compression, data parallel, one node alone."""
+    from node.train.simulate import run_ddp, run_single, start_weights
+    setup = make_setup(args, seed=seed, warm=warm)
+    start_kind = "warm" if warm else "scratch"
+    log(f"seed {seed}, {start_kind} start" + (f": {args.pretrain_steps} warm-up steps" if warm else ""))
+    start = start_weights(setup)
+    swarms = {}
+    for compression in args.compressions:
+        d = swarms[compression] = run_swarm(setup, args, start, work_dir / f"{start_kind}-{seed}-{compression}", lab,
+                                            compression=compression)
+        log(f"  swarm, {compression}: eval loss {d['eval_loss']}, {d['bytes_per_node']:,} bytes on the busiest "
+            f"node's wire, lowest training share {d['train_share_min']}")
+    steps = args.rounds * args.inner_steps
+    ddp = run_ddp(setup, workers=args.workers, steps=steps, start=start)
+    single = run_single(setup, steps=args.workers * steps, start=start)
+    ddp_fp32 = 2 * ddp.bytes_per_node  # run_ddp counts what one node sends; a ring receives as much
+    ddp_bf16 = ddp_fp32 // 2
+    return [{
+        "seed": seed, "start": start_kind, "compression": compression,
+        "ddp": {"eval_loss": round(ddp.eval_loss, 4), "bytes_per_node_fp32": ddp_fp32,
+                "bytes_per_node_bf16": ddp_bf16, "samples": ddp.samples},
+        "diloco": {**d, "samples": args.workers * steps * setup.batch_size},
+        "single": {"eval_loss": round(single.eval_loss, 4), "samples": single.samples},
+        "loss_gap_pct": round(100 * (d["eval_loss"] / ddp.eval_loss - 1), 2),
+        "bytes_ratio": round(ddp_fp32 / d["bytes_per_node"], 1),
+        "bytes_ratio_bf16": round(ddp_bf16 / d["bytes_per_node"], 1),
+    } for compression, d in swarms.items()]
+
+
+def summarize(runs: list[dict]) -> dict:
+    by_start = {}
+    for kind in ("warm", "scratch"):
+        these = [r for r in runs if r["start"] == kind]
+        if these:
+            by_start[kind] = {key: spread([r[key] for r in these])
+                              for key in ("loss_gap_pct", "bytes_ratio", "bytes_ratio_bf16")}
+            by_start[kind]["train_share_min"] = min(r["diloco"]["train_share_min"] or 0.0 for r in these)
+    headline = by_start.get("warm") or by_start["scratch"]
+    shares = [r["diloco"]["train_share_min"] or 0.0 for r in runs]
+    out = {
+        "loss_gap_pct": headline["loss_gap_pct"]["mean"],
+        "loss_gap_pct_scratch": by_start["scratch"]["loss_gap_pct"]["mean"] if "scratch" in by_start else None,
+        "bytes_ratio": min(r["bytes_ratio"] for r in runs),
+        "bytes_ratio_bf16": min(r["bytes_ratio_bf16"] for r in runs),
+        "train_share_min": min(shares),
+        "hashes_agree": all(r["diloco"]["weights_hashes_agree"] for r in runs),
+        "by_start": by_start,
+    }
+    out["targets"] = {"loss_gap_pct": TARGET_LOSS_GAP_PCT, "bytes_ratio": TARGET_BYTES_RATIO,
+                      "train_share_min": TARGET_TRAIN_SHARE}
+    out["targets_met"] = {"loss_gap_pct": out["loss_gap_pct"] <= TARGET_LOSS_GAP_PCT,
+                          "bytes_ratio": out["bytes_ratio"] >= TARGET_BYTES_RATIO,
+                          "train_share_min": out["train_share_min"] >= TARGET_TRAIN_SHARE,
+                          "hashes_agree": out["hashes_agree"]}
     return out
 
 
@@ -154,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--inner-steps", type=int)
     parser.add_argument("--pretrain-steps", type=int)
+    parser.add_argument("--seeds", help="comma-separated seeds (model init, data order, evaluation batches)")
+    parser.add_argument("--starts", help="warm, scratch or both (comma-separated)")
+    parser.add_argument("--compressions", default="int8,int2",
+                        help="the swarm arms' update compressions, the candidate default last (int8, int4, int2)")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--netlab", action="store_true", help="run each node in its own network-namespace host")
     parser.add_argument("--rate", help="per-host rate limit with --netlab, e.g. 20mbit")
@@ -167,17 +247,24 @@ def main(argv: list[str] | None = None) -> int:
     if not 2 <= args.workers <= 16:
         parser.error("--workers must be within 2..16")
 
-    import torch
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--seeds must be integers separated by commas, not {args.seeds!r}")
+    starts = [x.strip() for x in args.starts.split(",") if x.strip()]
+    args.compressions = [x.strip() for x in args.compressions.split(",") if x.strip()]
+    if not args.compressions or not set(args.compressions) <= {"int8", "int4", "int2"}:
+        parser.error(f"--compressions must name int8, int4 or int2, not {args.compressions}")
+    if not seeds or not starts or not set(starts) <= {"warm", "scratch"}:
+        parser.error("--seeds needs at least one seed and --starts one of warm, scratch (or both)")
 
-    from node.train.simulate import run_ddp, run_single, start_weights
+    import torch
     torch.set_num_threads(1)
-    setup = make_setup(args)
     t0 = time.monotonic()
-    log(f"warm start: {args.pretrain_steps} steps")
-    start = start_weights(setup)
     work_dir = Path(tempfile.mkdtemp(prefix="shoal-bench-diloco-"))
     lab_cm = lab = None
     ok = False
+    runs: list[dict] = []
     try:
         with netlab_interrupts():
             if args.netlab:
@@ -188,12 +275,12 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 lab_cm = netlab.open_lab(args.workers, rate=args.rate)
                 lab = lab_cm.__enter__()
-            diloco = run_swarm(setup, args, start, work_dir, lab)
-            log(f"swarm done: eval loss {diloco['eval_loss']}; data parallel next")
-            steps = args.rounds * args.inner_steps
-            ddp = run_ddp(setup, workers=args.workers, steps=steps, start=start)
-            log("single node next")
-            single = run_single(setup, steps=args.workers * steps, start=start)
+            for start in starts:
+                for seed in seeds:
+                    for r in one_run(args, seed=seed, warm=start == "warm", work_dir=work_dir, lab=lab):
+                        runs.append(r)
+                        log(f"  seed {seed} {start} {r['compression']}: loss gap {r['loss_gap_pct']}%, "
+                            f"{r['bytes_ratio']}x fewer bytes than fp32 data parallel")
             ok = True
     finally:
         if lab_cm is not None:
@@ -202,21 +289,19 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work_dir, ignore_errors=True)
         else:
             log(f"node data and logs kept in {work_dir}")
-    ddp_bytes = 2 * ddp.bytes_per_node  # run_ddp counts what one node sends; a ring receives as much
+    setup = make_setup(args, seed=seeds[0], warm=True)
+    arms = {c: summarize([r for r in runs if r["compression"] == c]) for c in args.compressions}
     result = {
-        "ddp": {"eval_loss": round(ddp.eval_loss, 4), "bytes_per_node": ddp_bytes, "samples": ddp.samples},
-        "diloco": {**diloco, "samples": args.workers * args.rounds * args.inner_steps * setup.batch_size},
-        "single": {"eval_loss": round(single.eval_loss, 4), "samples": single.samples},
-        "loss_gap_pct": round(100 * (diloco["eval_loss"] / ddp.eval_loss - 1), 2),
-        "bytes_ratio": round(ddp_bytes / diloco["bytes_per_node"], 1),
+        # The headline keys are the last compression's (--compressions lists the candidate default last).
+        "default_arm": args.compressions[-1], **arms[args.compressions[-1]],
+        "arms": arms,
+        "runs": runs,
         "setup": {"workers": args.workers, "rounds": args.rounds, "inner_steps": args.inner_steps,
-                  "pretrain_steps": args.pretrain_steps, "batch_size": setup.batch_size,
-                  "model": dataclasses.asdict(setup.model),
+                  "pretrain_steps": args.pretrain_steps, "batch_size": setup.batch_size, "seeds": seeds,
+                  "starts": starts, "compressions": args.compressions, "model": dataclasses.asdict(setup.model),
                   "netlab_rate": args.rate if args.netlab else None},
         "seconds": round(time.monotonic() - t0, 1),
     }
-    result["targets_met"] = {"loss_gap_pct": result["loss_gap_pct"] <= TARGET_LOSS_GAP_PCT,
-                             "bytes_ratio": result["bytes_ratio"] >= TARGET_BYTES_RATIO}
     text = json.dumps(result, indent=1, default=str)
     if args.json_out:
         args.json_out.write_text(text + "\n")

@@ -91,7 +91,7 @@ def run_single(setup: SimSetup, *, steps: int, start: Named | None = None) -> Si
     weights = start if start is not None else start_weights(setup)
     result = train_inner(
         model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=steps,
-        batch_size=setup.batch_size, seed=derive_seed(TASK_ID, "single"), adamw=setup.adamw,
+        batch_size=setup.batch_size, seed=derive_seed(TASK_ID, "single", setup.seed), adamw=setup.adamw,
     )
     loss = _eval(setup, result.weights, heldout)
     return SimResult(name="single", eval_loss=loss, samples=result.samples, bytes_per_node=0, seconds=time.monotonic() - t0)
@@ -104,7 +104,7 @@ def run_ddp(setup: SimSetup, *, workers: int, steps: int, start: Named | None = 
     weights = start if start is not None else start_weights(setup)
     result = train_inner(
         model_config=setup.model, base_weights=weights, data=b"".join(shards), steps=steps,
-        batch_size=workers * setup.batch_size, seed=derive_seed(TASK_ID, "ddp"), adamw=setup.adamw,
+        batch_size=workers * setup.batch_size, seed=derive_seed(TASK_ID, "ddp", setup.seed), adamw=setup.adamw,
     )
     model_bytes = 4 * sum(t.numel() for t in weights.values())
     sent = steps * 2 * (workers - 1) * model_bytes // workers
