@@ -106,7 +106,9 @@ async def test_mdns_callbacks_from_foreign_threads_reach_discovered_and_skip_our
             forward = _thread_forwarder(ours, trio.lowlevel.current_trio_token())
             other_id = fresh_keypair().peer_id
             mine = PeerInfo(ID.from_base58(ours.peer_id), [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/1")])
-            theirs = PeerInfo(ID.from_base58(other_id), [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4242")])
+            # py-libp2p's mDNS advertises a 0.0.0.0 listen address as it is: dialled, it would reach us.
+            theirs = PeerInfo(ID.from_base58(other_id), [multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/4242"),
+                                                         multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4242")])
 
             def zeroconf_thread():
                 forward(mine)
