@@ -31,7 +31,7 @@ from p2p.api import (GossipMessage, GossipValidator, HostConfig, HostStatistics,
                     StreamHandler)
 from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff, guard_identify_push,
                         guard_pubsub, guard_swarm_streams, protect_peerstore)
-from p2p.interfaces import is_unspecified, link_dialable
+from p2p.interfaces import advertise_dialable_over_mdns, is_unspecified
 from p2p.nat import NatService
 from p2p.wire import count_wire_bytes
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
@@ -374,15 +374,6 @@ async def _no_auto_dial() -> None:
     return None
 
 
-def _advertise_dialable_over_mdns(broadcaster: Any) -> None:
-    """py-libp2p's mDNS puts the transport addresses in its TXT records as they are, and its listener
-    reads only those records (not the A records): a node listening on /ip4/0.0.0.0/tcp/4001 told its
-    peers to dial 0.0.0.0, which reaches the dialer itself, and Noise failed there on its own key (three
-    containers on one bridge found each other and never connected). Advertise the interfaces instead."""
-    resolve = broadcaster._resolve_host_addrs
-    broadcaster._resolve_host_addrs = lambda: link_dialable(resolve())
-
-
 def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub, Pubsub, Offences, PeerGate]:
     key_pair = ed25519_key_pair(keypair.seed)
     raw_host = new_host(
@@ -399,7 +390,7 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
         enable_mDNS=config.mdns,
     )
     if raw_host.mDNS is not None:
-        _advertise_dialable_over_mdns(raw_host.mDNS.broadcaster)
+        advertise_dialable_over_mdns(raw_host.mDNS.broadcaster)
     # libp2p's auto-connector redials any peer in the peerstore (identify, mDNS, past peers) whenever
     # the count is below a watermark; the node alone decides whom to dial, so it never runs.
     raw_host.get_network().auto_connector.maybe_connect = _no_auto_dial

@@ -6,6 +6,7 @@ import fcntl
 import ipaddress
 import socket
 import struct
+from typing import Any
 
 _SIOCGIFADDR = 0x8915
 
@@ -47,3 +48,12 @@ def link_dialable(addrs: list[str], interfaces: list[str] | None = None) -> list
         elif not is_unspecified(addr):
             out.append(addr)
     return out
+
+
+def advertise_dialable_over_mdns(broadcaster: Any) -> None:
+    """py-libp2p's mDNS puts the transport addresses in its TXT records as they are, and its listener
+    reads only those records (not the A records): a node listening on /ip4/0.0.0.0/tcp/4001 told its
+    peers to dial 0.0.0.0, which reaches the dialer itself, and Noise failed there on its own key (three
+    containers on one bridge found each other and never connected). Advertise the interfaces instead."""
+    resolve = broadcaster._resolve_host_addrs
+    broadcaster._resolve_host_addrs = lambda: link_dialable(resolve())

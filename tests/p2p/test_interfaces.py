@@ -5,7 +5,7 @@ from __future__ import annotations
 from libp2p.discovery.mdns.broadcaster import PeerBroadcaster
 
 from p2p import interfaces
-from p2p.host import _advertise_dialable_over_mdns
+from p2p.interfaces import advertise_dialable_over_mdns
 
 
 def test_unspecified_becomes_the_non_loopback_interfaces():
@@ -23,6 +23,6 @@ def test_the_mdns_txt_records_carry_interface_addresses(monkeypatch):
     peer_id = "12D3KooWGvEMsQjWT29eEiQMmkGc6Q57NdrqHgaU4o7P7D2BGt68"
     broadcaster = PeerBroadcaster(zeroconf=None, service_type="_p2p._udp.local.", service_name="x._p2p._udp.local.",
                                   peer_id=peer_id, port=4001, listen_addrs=["/ip4/0.0.0.0/tcp/4001"])
-    _advertise_dialable_over_mdns(broadcaster)
+    advertise_dialable_over_mdns(broadcaster)
     broadcaster._build_service_info(broadcaster._resolve_host_addrs())  # what register() does
     assert broadcaster.service_info.properties == {b"dnsaddr": f"/ip4/10.89.0.2/tcp/4001/p2p/{peer_id}".encode()}
