@@ -119,6 +119,10 @@ class Node:
             a = record.announce
             rows.append({
                 "peer_id": peer_id, "state": record.state.value, "connected": peer_id in connected,
+                # How we reach it now (a relay carries only control traffic), and whether it announces
+                # itself through relays first (it is behind a NAT: see Membership.advertised_addrs).
+                "path": None if peer_id not in connected else "direct" if self.host.is_direct(peer_id) else "relayed",
+                "behind_nat": bool(a.addrs) and "/p2p-circuit" in a.addrs[0],
                 "addrs": list(a.addrs), "version": a.version, "roles": list(a.roles),
                 "hardware": {"devices": list(a.hardware.devices), "memory_bytes": a.hardware.memory_bytes,
                              "tflops": a.hardware.tflops},

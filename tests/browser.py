@@ -14,7 +14,7 @@ import pytest
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--window-size=1280,900")
+                  "--disable-dev-shm-usage", "--window-size=1280,1050")
 
 
 def _find(*names: str) -> str | None:

@@ -32,7 +32,9 @@ function renderNode(n) {
     ["peers", `${n.peers.alive || 0} alive, ${n.peers.suspect || 0} suspect, ${n.peers.dead || 0} dead`],
     ["hardware", `${(hw.cpu || {}).usable_cores || "?"} cores, ${gib((hw.ram || {}).total_bytes || 0)}` +
       (benches.length ? `, ${Math.max(...benches).toPrecision(3)} TFLOP/s` : "")],
-    ["traffic", `${mb(n.bytes.sent)} out, ${mb(n.bytes.received)} in`],
+    ["reachability", n.reachability ? `${n.reachability.status} (${n.reachability.reason})` : "-"],
+    ["traffic", `${mb(n.bytes.sent)} out, ${mb(n.bytes.received)} in` +
+      (n.wire_bytes ? `; on the wire ${mb(n.wire_bytes.sent)} out, ${mb(n.wire_bytes.received)} in` : "")],
   ];
   $("node-facts").replaceChildren(el("div", {class: "facts"}, ...facts.map(([k, v]) => el("span", {}, el("b", {text: k}), String(v)))));
   const sc = n.shardcast;
@@ -62,9 +64,9 @@ function renderPeers(peers) {
   body.replaceChildren(...peers.map((p) => {
     const hw = p.hardware;
     return row([el("td", {class: "mono", text: short(p.peer_id), title: p.peer_id}),
-      el("td", {class: p.state, text: p.state + (p.connected ? "" : " (not connected)")}),
+      el("td", {class: p.state, text: p.state + (p.connected ? (p.path === "relayed" ? " (via a relay)" : "") : " (not connected)")}),
       `${hw.devices.join(", ") || "-"}; ${gib(hw.memory_bytes)}`, hw.tflops > 0 ? hw.tflops.toPrecision(3) : "not measured",
-      el("td", {class: "mono", text: p.addrs.length ? p.addrs[0].split("/p2p/")[0] : "-"}),
+      el("td", {class: "mono", text: (p.addrs.length ? p.addrs[0].split("/p2p/")[0] : "-") + (p.behind_nat ? " (behind NAT: relayed addresses)" : "")}),
       p.score.toFixed(0), p.last_seen_s.toFixed(1) + " s ago", p.status || ""]);
   }));
   $("no-peers").hidden = peers.length > 0;

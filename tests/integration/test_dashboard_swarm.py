@@ -72,7 +72,7 @@ def test_dashboard_shows_every_peer_and_a_growing_loss_curve(demo, tmp_path):
                 shares[tr.querySelector('td[title]').title] = tr.querySelector('td.share').textContent;
               return {peers: [...document.querySelectorAll('#peers tbody td[title]')].map((td) => td.title),
                       points: svg ? Number(svg.dataset.points) : 0, live: document.getElementById('live').className,
-                      shares};
+                      shares, facts: document.getElementById('node-facts').textContent};
             """)
 
         first = wait_for(lambda: (lambda s: s if set(s["peers"]) == others and s["points"] >= 1 else None)(seen()),
@@ -84,6 +84,7 @@ def test_dashboard_shows_every_peer_and_a_growing_loss_curve(demo, tmp_path):
         shot2 = tmp_path / "dashboard-2.png"
         drv.save_screenshot(str(shot2))
     assert first["live"] == "ok" and set(later["peers"]) == others
+    assert "reachability" in later["facts"] and "on the wire" in later["facts"], later["facts"]
     # Each member's training share, as it announced it with its weights: a percentage for all three.
     assert set(later["shares"]) == others | {node.peer_id}, later["shares"]
     assert all(re.fullmatch(r"\d{1,3}%", v) and 0 < int(v[:-1]) <= 100 for v in later["shares"].values()), later

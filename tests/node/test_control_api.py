@@ -55,6 +55,7 @@ async def test_status_peers_and_metrics_with_the_token(network, tmp_path):
         assert status["peer_id"] == a.keypair.peer_id and status["peers"]["alive"] == 1
         peers = await trio.to_thread.run_sync(client.call, "/peers")
         assert [p["peer_id"] for p in peers["peers"]] == [b.keypair.peer_id]
+        assert peers["peers"][0]["path"] == "direct" and peers["peers"][0]["behind_nat"] is False
         text = await trio.to_thread.run_sync(client.text, "/metrics")
         assert 'shoal_peers{state="alive"} 1.0' in text
         with pytest.raises(ShoalError, match="no such endpoint"):
