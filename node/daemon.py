@@ -101,6 +101,7 @@ class Node:
             "banned_peers": self.banned_peers(),
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "wire_bytes": {"sent": stats.wire_bytes_sent, "received": stats.wire_bytes_received},
+            "gossip_bytes_sent": stats.gossip_bytes_sent_by_kind,
             "messages": {"in": dict(self.traffic.messages_in), "out": dict(self.traffic.messages_out),
                          "dropped": dict(self.traffic.drops)},
         }

@@ -109,6 +109,8 @@ class HostStatistics:
     """Every byte written to the host's TCP connections: our streams' payload and all that libp2p adds
     (negotiation, Noise, Yamux framing, gossip, identify, ping). See p2p.wire."""
     wire_bytes_received: int = 0
+    gossip_bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)
+    """Gossip this host wrote, by topic (messages, forwarded copies included), "control" and "subscriptions"."""
     gossip_published: int = 0
     gossip_received: int = 0
     gossip_rejected: int = 0

@@ -275,6 +275,7 @@ class FakeHost:
         s = self._stats
         return dataclasses.replace(s, connected_peers=len(self._links), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
                                    bytes_received_by_peer=dict(s.bytes_received_by_peer),
+                                   gossip_bytes_sent_by_kind=dict(s.gossip_bytes_sent_by_kind),
                                    blocked_peers=sum(self._is_blocked(p) for p in list(self._blocked_until)))
 
     def reachability(self) -> Reachability:
@@ -384,6 +385,8 @@ class FakeNetwork:
                 if peer is None or not peer._alive or topic not in peer._subs or peer_id == origin.peer_id:
                     continue
                 relay._stats.wire_bytes_sent += len(data)  # every copy crosses a link, duplicates too
+                by_kind = relay._stats.gossip_bytes_sent_by_kind
+                by_kind[topic] = by_kind.get(topic, 0) + len(data)
                 peer._stats.wire_bytes_received += len(data)
                 if peer._accept(topic, data, relay.peer_id, origin.peer_id, msg_id):
                     queue.append(peer)

@@ -6,6 +6,10 @@ updates, gossip (messages, IHAVE/IWANT, GRAFT/PRUNE), identify and ping. Each TC
 socket stream is wrapped before the security upgrade, the first thing the swarm does with a new
 connection in either direction, so all of that is counted. A circuit through a relay is not a
 socket of its own: its bytes are counted once, on the TCP connection to the relay.
+
+Gossip is also counted by what it carries (count_gossip_bytes): what this host sent of each topic's
+messages (its own and those it forwards, every copy), of control (IHAVE, IWANT, GRAFT, PRUNE) and of
+subscriptions, so a user can see where the bytes beyond the streams go.
 """
 
 from __future__ import annotations
@@ -55,3 +59,25 @@ def count_wire_bytes(raw_host: Any, stats: HostStatistics) -> None:
         return await upgrade_security(raw_conn, is_initiator, peer_id)
 
     upgrader.upgrade_security = counted_upgrade
+
+
+def count_gossip_bytes(pubsub: Any, stats: HostStatistics) -> None:
+    """Add each RPC that ``pubsub`` writes to stats.gossip_bytes_sent_by_kind, by topic, "control" and
+    "subscriptions" (protobuf sizes, without the length prefix and the stream's framing)."""
+    write_msg = pubsub.write_msg
+
+    async def counted_write(stream, rpc_msg) -> bool:
+        ok = await write_msg(stream, rpc_msg)
+        if ok:
+            by_kind = stats.gossip_bytes_sent_by_kind
+            for msg in rpc_msg.publish:
+                topic = msg.topicIDs[0] if msg.topicIDs else ""
+                by_kind[topic] = by_kind.get(topic, 0) + msg.ByteSize()
+            if rpc_msg.HasField("control"):
+                by_kind["control"] = by_kind.get("control", 0) + rpc_msg.control.ByteSize()
+            if len(rpc_msg.subscriptions):
+                by_kind["subscriptions"] = by_kind.get("subscriptions", 0) + sum(
+                    sub.ByteSize() for sub in rpc_msg.subscriptions)
+        return ok
+
+    pubsub.write_msg = counted_write

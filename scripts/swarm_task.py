@@ -82,7 +82,8 @@ class TaskRun:
     def publish(self) -> str:
         for node in self.swarm.nodes:
             status = node.call("/status")
-            self.bytes_before[node.peer_id] = {"streams": status.get("bytes", {}), "wire": status.get("wire_bytes", {})}
+            self.bytes_before[node.peer_id] = {"streams": status.get("bytes", {}), "wire": status.get("wire_bytes", {}),
+                                               "gossip": status.get("gossip_bytes_sent", {})}
         answer = self.swarm.nodes[0].call("/task/publish", self.fields)
         self.task_id, self.published_at = answer["task_id"], time.monotonic()
         if answer.get("decision") == "declined":
@@ -124,12 +125,16 @@ class TaskRun:
                     row["eval_loss"] = entry.get("eval_loss")  # a joiner's caught-up rows are not evaluated
         for row in rounds.values():
             row["hashes_agree"] = len(set(row["weights_hash_by_node"].values())) == 1
-        libp2p, wire, task_bytes, utilization = {}, {}, {}, {}
+        libp2p, wire, gossip, task_bytes, utilization = {}, {}, {}, {}, {}
         for peer, status in self.final.items():
             before = self.bytes_before.get(peer, {})
             for out, key, now in ((libp2p, "streams", status.get("bytes", {})),
                                   (wire, "wire", status.get("wire_bytes", {}))):
                 out[peer] = {k: now.get(k, 0) - before.get(key, {}).get(k, 0) for k in ("sent", "received")}
+            was, now = before.get("gossip", {}), status.get("gossip_bytes_sent", {})
+            # Task topics are named by their id; one name for the task's own, whatever its id.
+            gossip[peer] = {("task" if kind.startswith("shoal/task/") else kind): n - was.get(kind, 0)
+                            for kind, n in sorted(now.items()) if n - was.get(kind, 0)}
             task = status.get("task") or {}
             task_bytes[peer] = task.get("bytes", {})
             train_s, round_s = task.get("train_seconds", 0.0), task.get("round_seconds", 0.0)
@@ -144,6 +149,7 @@ class TaskRun:
             # connections (gossip, handshakes, framing included: what its link carries); bytes_libp2p: the
             # payload of our streams only (shards, manifests); the task's own SHARDCAST counters beside them.
             "bytes_wire": wire, "bytes_libp2p": libp2p, "bytes_task_shardcast": task_bytes,
+            "gossip_bytes_sent": gossip,
             "utilization": utilization,
         }
 

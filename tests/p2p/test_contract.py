@@ -214,9 +214,13 @@ async def test_wire_counters_hold_every_stream_and_gossip_byte(swarm):
             sa, sb = a.statistics(), b.statistics()
             assert sa.wire_bytes_sent >= moved and sb.wire_bytes_received >= moved
             assert sa.bytes_sent == len(payload)  # the stream counters see the payload only
+            # By what it carries: the topic's message (with its envelope on real hosts) is among a's sends.
+            assert sa.gossip_bytes_sent_by_kind[TOPIC] >= len(gossip), sa.gossip_bytes_sent_by_kind
             if swarm.kind == "libp2p":
                 assert sa.wire_bytes_sent > moved and sb.wire_bytes_sent > 32  # framing, acks, hash reply
                 assert sa.wire_bytes_sent < 1.05 * moved + 64 * 1024, (sa.wire_bytes_sent, moved)
+                assert sa.gossip_bytes_sent_by_kind[TOPIC] < len(gossip) + 1024
+                assert sum(sa.gossip_bytes_sent_by_kind.values()) < sa.wire_bytes_sent - len(payload)
 
 
 async def test_gossip_flows_again_after_a_disconnect_and_a_redial(swarm):
