@@ -53,6 +53,9 @@ async def test_status_peers_and_metrics_with_the_token(network, tmp_path):
         client = ControlClient(token=a.control_token, url=a.control_url)
         status = await trio.to_thread.run_sync(client.call, "/status")
         assert status["peer_id"] == a.keypair.peer_id and status["peers"]["alive"] == 1
+        # On the in-memory network the wire is the gossip and the streams; the announce topic is among it.
+        assert status["wire_bytes"]["sent"] >= status["bytes"]["sent"] and status["wire_bytes"]["received"] > 0
+        assert status["gossip_bytes_sent"].get("shoal/announce/1", 0) > 0, status["gossip_bytes_sent"]
         peers = await trio.to_thread.run_sync(client.call, "/peers")
         assert [p["peer_id"] for p in peers["peers"]] == [b.keypair.peer_id]
         assert peers["peers"][0]["path"] == "direct" and peers["peers"][0]["behind_nat"] is False
