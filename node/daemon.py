@@ -102,6 +102,7 @@ class Node:
             "bytes": {"sent": stats.bytes_sent, "received": stats.bytes_received},
             "wire_bytes": {"sent": stats.wire_bytes_sent, "received": stats.wire_bytes_received},
             "gossip_bytes_sent": stats.gossip_bytes_sent_by_kind,
+            "streams": {"opened": stats.streams_opened, "accepted": stats.streams_accepted},
             "messages": {"in": dict(self.traffic.messages_in), "out": dict(self.traffic.messages_out),
                          "dropped": dict(self.traffic.drops)},
         }
