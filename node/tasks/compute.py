@@ -150,7 +150,7 @@ def decode_slice(data, numel: int, bits: int = 8) -> torch.Tensor:
     try:
         return decode_blocks(data, numel, bits=bits)
     except ValueError as exc:
-        raise IntegrityError(f"bad {bits}-bit slice: {exc}") from None
+        raise IntegrityError(f"bad int{bits} slice: {exc}") from None
 
 
 def _open_slice(data, numel: int) -> QuantPayload:

@@ -25,7 +25,7 @@ async def test_a_producer_that_never_serves_its_slice_leaves_the_aggregate_in_ti
                         keypair=SimpleNamespace(peer_id="me"), penalize=lambda peer, why: None,
                         num_params=lambda: numel * spec.aggregation_shards)
 
-    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_):
+    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, bits=8):
         with trio.fail_after(timeout_s):  # as Exchange._fetch bounds every fetch
             if signer == "dead":
                 await trio.sleep_forever()  # SIGKILLed right after it announced its update
