@@ -149,8 +149,8 @@ def run_swarm(setup, args, start, work_dir: Path, lab, *, compression: str) -> d
         "node_eval_losses": [r["eval_loss"] for r in rounds],
         "train_share_by_node": shares,
         "train_share_min": min((x for x in shares.values() if x is not None), default=None),
-        "bytes_wire_by_node": wire, "bytes_libp2p_by_node": libp2p, "gossip_bytes_sent_by_node": report["gossip_bytes_sent"],
-        "utilization": report["utilization"],
+        "bytes_wire_by_node": wire, "bytes_libp2p_by_node": libp2p,
+        "gossip_bytes_sent_by_node": report["gossip_bytes_sent"], "utilization": report["utilization"],
         "seconds": report["task"]["seconds"],
     }
     if iface_before:

@@ -63,7 +63,8 @@ async def measure(bulk_mib: int, streams: int, request_bytes: int) -> dict:
             await one(os.urandom(request_bytes))
         w2, p2 = snap()
     return {
-        "bulk": {"payload_bytes": p1 - p0, "wire_bytes": w1 - w0, "overhead_ratio": round((w1 - w0) / (p1 - p0) - 1, 5)},
+        "bulk": {"payload_bytes": p1 - p0, "wire_bytes": w1 - w0,
+                 "overhead_ratio": round((w1 - w0) / (p1 - p0) - 1, 5)},
         "small_streams": {"streams": streams, "request_bytes": request_bytes,
                           "wire_bytes_sent_per_stream": round((w2 - w1) / streams, 1),
                           "overhead_bytes_sent_per_stream": round((w2 - w1 - (p2 - p1)) / streams, 1)},

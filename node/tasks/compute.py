@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError
 
 from node.fsutil import fsync_dir, write_atomic
-from node.train.compress import (CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantPayload, QuantWriter, decode_blocks, encoded_size,
-                                  tensor_bytes)
+from node.train.compress import (CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantPayload, QuantWriter, decode_blocks,
+                                  encoded_size, tensor_bytes)
 from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
 from node.train.model import ModelConfig, init_model
 from protocol.errors import IntegrityError
@@ -75,16 +75,17 @@ def split_with_feedback(delta: Named, num_slices: int, bits: int,
     (another model) is ignored."""
     if residual is not None and {n: t.shape for n, t in residual.items()} != {n: t.shape for n, t in delta.items()}:
         residual = None
+    # Fresh tensors (the sum, or a float32 copy): each becomes its own next residual, in place, one slice at a time.
     corrected = {n: delta[n].detach().to(torch.float32) + (residual[n] if residual else 0.0) for n in sorted(delta)}
     payloads = split_update(corrected, num_slices, bits)
-    sizes = [t.numel() for t in corrected.values()]
-    bounds = slice_bounds(sum(sizes), num_slices)
-    sent = torch.cat([decode_blocks(p, b - a, bits=bits) for p, (a, b) in zip(payloads, bounds)])
-    new, at = {}, 0
-    for (name, t), n in zip(corrected.items(), sizes):
-        new[name] = t.reshape(-1).sub(sent[at:at + n]).reshape(t.shape)
-        at += n
-    return payloads, new
+    for data, (a, b) in zip(payloads, slice_bounds(sum(t.numel() for t in corrected.values()), num_slices)):
+        sent, at = decode_blocks(data, b - a, bits=bits), 0
+        for t in corrected.values():
+            lo, hi = max(a, at), min(b, at + t.numel())
+            if lo < hi:
+                t.view(-1)[lo - at:hi - at].sub_(sent[lo - a:hi - a])
+            at += t.numel()
+    return payloads, corrected
 
 
 RESIDUAL_PREFIX = "residual-r"
@@ -181,9 +182,9 @@ def open_slices(slices: dict, numel: int, bits: int = 8) -> tuple[dict[str, Quan
 def aggregate_payload(slices: dict, numel: int, bits: int = 8) -> tuple[bytearray, list[str]]:
     """Weighted mean (by samples, sorted producer order) of the producers' slices (``bits`` per value), always
     int8-encoded, and the producers whose slice did not decode (left out). Streams: chunk by chunk, each
-    producer's bytes decoded into one scratch
-    buffer and added in, with the same operations in the same order as diloco.weighted_mean (zeros, then
-    acc + decoded * w per producer), so every aggregator computes the same bits; nothing whole-slice in fp32."""
+    producer's bytes decoded into one scratch buffer and added in, with the same operations in the same order
+    as diloco.weighted_mean (zeros, then acc + decoded * w per producer), so every aggregator computes the same
+    bits; nothing whole-slice in fp32."""
     views, bad = open_slices(slices, numel, bits)
     if not views:
         raise IntegrityError("no slice decoded")

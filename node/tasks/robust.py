@@ -1,11 +1,11 @@
 """Robust aggregation of one slice: a norm bound, trimmed mean, coordinate-wise median, centered clipping.
 
-Every rule streams over the producers' slices (8, 4 or 2 bits a value) chunk by chunk, like compute.aggregate_payload: a chunk of
-each producer is decoded, combined and written; nothing whole-slice is kept per producer (centered
-clipping keeps one whole-slice center). Every node must compute the same bits, so: producers in
-sorted order, CPU float32, sums of a chunk's rows added one row after another (elementwise, so no
-reduction whose order could depend on the thread count), norms summed with math.fsum over per-block
-partial sums, and sorting, whose result depends only on the values.
+Every rule streams over the producers' slices (8, 4 or 2 bits a value) chunk by chunk, like
+compute.aggregate_payload: a chunk of each producer is decoded, combined and written; nothing
+whole-slice is kept per producer (centered clipping keeps one whole-slice center). Every node must
+compute the same bits, so: producers in sorted order, CPU float32, sums of a chunk's rows added one
+row after another (elementwise, so no reduction whose order could depend on the thread count), norms
+summed with math.fsum over per-block partial sums, and sorting, whose result depends only on the values.
 
 The norm bound and the robust rules weigh producers equally: a producer's claimed sample count is
 what it controls most cheaply, so only the plain mean uses it.

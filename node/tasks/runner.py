@@ -115,8 +115,8 @@ class TaskRunner:
     def _peer_rows(self, m: dict) -> list[dict]:
         """One row per member (this node included) and per peer heard from lately: its last announced
         round, held-out loss and training share."""
-        mine = {"round": self.state.round - 1 if self.state and self.state.round > 0 else None, "train_share": self.train_share(),
-                "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None}
+        mine = {"round": self.state.round - 1 if self.state and self.state.round > 0 else None,
+                "train_share": self.train_share(), "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None}
         rows = {self.me: mine, **m["announced"]}
         members = set(m["members"])
         return [{"peer_id": p, "self": p == self.me, "member": p in members or p == self.me,
