@@ -20,7 +20,6 @@ from libp2p.network.exceptions import SwarmException
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.utils import maybe_consume_signed_record
 from libp2p.pubsub.validators import signature_validator
 from libp2p.io.exceptions import MessageTooLarge
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
@@ -132,10 +131,11 @@ def guard_pubsub(raw_host: Any, pubsub: Any, offences: Offences, *, max_message_
 
     async def read_rpcs(stream: Any) -> None:
         peer_id = stream.muxed_conn.peer_id
+        frames = _FrameReader(stream)
         try:
             while pubsub.manager.is_running:
                 try:
-                    frame = await _read_frame(stream, pubsub.max_inbound_rpc_size)
+                    frame = await frames.next(pubsub.max_inbound_rpc_size)
                 except MessageTooLarge:
                     offences.report(peer_id, "gossip_rpc_oversize")
                     await _reset_quietly(stream)
@@ -164,9 +164,10 @@ def guard_pubsub(raw_host: Any, pubsub: Any, offences: Offences, *, max_message_
 
     async def _handle_rpc(rpc: Any, peer_id: ID) -> bool:
         """False when the RPC is bad enough to drop the stream."""
-        if not maybe_consume_signed_record(rpc, raw_host, peer_id):
-            offences.report(peer_id, "gossip_bad_peer_record")
-            return True  # the library ignores such an RPC too
+        # py-libp2p attaches its signed peer record to every RPC and verifies each one it receives: an
+        # Ed25519 check per RPC for addresses Shoal never dials (peers' addresses come from their
+        # signed announcements). The record is dropped unread, as peers of other libp2p stacks do.
+        rpc.ClearField("senderRecord")
         if len(rpc.publish) > MAX_PUBLISH_PER_RPC or _control_entries(rpc) > MAX_CONTROL_ENTRIES:
             offences.report(peer_id, "gossip_rpc_too_many_entries")
             return False
@@ -210,36 +211,54 @@ def guard_pubsub(raw_host: Any, pubsub: Any, offences: Offences, *, max_message_
         raw_host.set_stream_handler(protocol, read_rpcs)
 
 
-async def _read_frame(stream: Any, max_bytes: int) -> bytes | None:
-    """One varint-prefixed frame; None at a clean end between frames, IncompleteReadError inside one."""
-    length, shift = 0, 0
-    for position in range(10):
+READ_CHUNK_BYTES = 64 * 1024
+"""What one read of a pubsub stream asks for. Yamux answers a read with a window update, so reading
+a frame's varint a byte at a time sent two or three updates (30 wire bytes and a Noise encryption
+each) for every gossip RPC received."""
+
+
+class _FrameReader:
+    """Varint-prefixed frames from a stream, read in chunks: one read usually brings several frames."""
+
+    def __init__(self, stream: Any):
+        self._stream, self._buf = stream, bytearray()
+
+    async def _fill(self) -> bool:
         try:
-            byte = await stream.read(1)
-        except StreamEOF:
-            byte = b""
-        if not byte:
-            if position == 0:
-                return None
-            raise IncompleteReadError("stream ended inside a length prefix")
-        length |= (byte[0] & 0x7F) << shift
-        shift += 7
-        if not byte[0] & 0x80:
-            break
-    else:
-        raise ParseError("varint length longer than 64 bits")
-    if length > max_bytes:
-        raise MessageTooLarge(f"frame of {length} bytes exceeds {max_bytes}")
-    body = bytearray()
-    while len(body) < length:
-        try:
-            chunk = await stream.read(length - len(body))
+            chunk = await self._stream.read(READ_CHUNK_BYTES)
         except StreamEOF:
             chunk = b""
-        if not chunk:
-            raise IncompleteReadError(f"stream ended after {len(body)} of {length} bytes")
-        body += chunk
-    return bytes(body)
+        self._buf += chunk
+        return bool(chunk)
+
+    async def next(self, max_bytes: int) -> bytes | None:
+        """One frame; None at a clean end between frames, IncompleteReadError inside one.
+        The length is checked against ``max_bytes`` before the body is waited for."""
+        while True:
+            length, shift, size = 0, 0, 0
+            for position, byte in enumerate(self._buf[:10]):
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    size = position + 1
+                    break
+            else:
+                if len(self._buf) >= 10:
+                    raise ParseError("varint length longer than 64 bits")
+            if size:
+                break
+            if not await self._fill():
+                if not self._buf:
+                    return None
+                raise IncompleteReadError("stream ended inside a length prefix")
+        if length > max_bytes:
+            raise MessageTooLarge(f"frame of {length} bytes exceeds {max_bytes}")
+        while len(self._buf) < size + length:
+            if not await self._fill():
+                raise IncompleteReadError(f"stream ended after {len(self._buf) - size} of {length} bytes")
+        frame = bytes(self._buf[size:size + length])
+        del self._buf[:size + length]
+        return frame
 
 
 def _signature_ok(msg: Any) -> bool:
