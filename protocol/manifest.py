@@ -206,6 +206,27 @@ class Have:
             raise ValueError("bitfield length does not match num_shards")
 
 
+MAX_HAVES_PER_MESSAGE = 16
+"""Haves one gossip message carries: a node's news after a round's transfers, or its periodic re-announcement."""
+
+
+@message(tag=48)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Haves:
+    """Several of the signer's Haves in one gossip message, one per manifest.
+
+    Each gossip message costs a signature to make, two to check at every hop, and about 200 bytes of
+    envelope on every link; a round's transfers leave several manifests changed at once."""
+
+    haves: tuple[Have, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.haves) <= MAX_HAVES_PER_MESSAGE:
+            raise ValueError(f"a Haves message carries 1 to {MAX_HAVES_PER_MESSAGE} Haves, not {len(self.haves)}")
+        if len({h.manifest_id for h in self.haves}) != len(self.haves):
+            raise ValueError("a Haves message names each manifest once")
+
+
 @message(tag=46)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ManifestRequest:

@@ -38,7 +38,7 @@ from p2p.rawpeer import IDENTIFY_PUSH, MESHSUB, HostilePeer, RawPeerSession, mul
 from protocol.codec import encode  # noqa: E402
 from protocol.envelope import seal  # noqa: E402
 from protocol.keys import Keypair  # noqa: E402
-from protocol.manifest import Have, ManifestRequest, ShardRequest, build_manifest, seal_manifest  # noqa: E402
+from protocol.manifest import Have, Haves, ManifestRequest, ShardRequest, build_manifest, seal_manifest  # noqa: E402
 from protocol.messages import Announce, HardwareSummary  # noqa: E402
 from protocol.task import SPECS_TOPIC, load_spec_toml  # noqa: E402
 
@@ -64,7 +64,7 @@ def seeds() -> dict[str, list[bytes]]:
     return {
         ANNOUNCE_TOPIC: [seal(announce, key)],
         SPECS_TOPIC: [seal(spec, key)],
-        SHARDS_TOPIC: [signed.sealed, seal(have, key)],
+        SHARDS_TOPIC: [signed.sealed, seal(have, key), seal(Haves(haves=(have,)), key)],
         "request": [encode(ManifestRequest(manifest_id=mid)), encode(ShardRequest(manifest_id=mid, index=0,
                                                                                  fallback=False))],
         "hello": [seal(announce, key)],

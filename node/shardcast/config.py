@@ -29,8 +29,9 @@ class ShardcastConfig:
     a task keeps hundreds, and a Have for each at once floods every peer; older ones are found by query."""
     max_haves_per_s: float = 20.0
     have_burst: int = 16
-    """Haves leave at most max_haves_per_s after a burst of have_burst, so announcements never crowd out
-    the heartbeats and task messages that share the gossip queues."""
+    """Have messages (each covering up to MAX_HAVES_PER_MESSAGE manifests) leave at most max_haves_per_s
+    after a burst of have_burst, so announcements never crowd out the heartbeats and task messages that
+    share the gossip queues."""
     busy_retry_s: float = 0.25
     """After a holder answers "busy" (its upload slots are full), ask it for nothing for this long."""
     reseed_after_s: float = 3.0

@@ -26,9 +26,9 @@ from protocol.errors import (DecodeError, IntegrityError, LocalStoreError, Remot
                              TransportError)
 from protocol.keys import Keypair
 from protocol.scores import FloodLimiter
-from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_MANIFEST_BYTES, STATUS_BUSY,
-                               STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Have, Manifest, ManifestRequest, ManifestResponse,
-                               SignedManifest, bitfield_from_indices, bitfield_indices,
+from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_HAVES_PER_MESSAGE, MAX_MANIFEST_BYTES, STATUS_BUSY,
+                               STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Have, Haves, Manifest, ManifestRequest,
+                               ManifestResponse, SignedManifest, bitfield_from_indices, bitfield_indices,
                                make_manifest, open_manifest, seal_manifest)
 
 from node.shardcast import transfer
@@ -422,9 +422,10 @@ class ShardcastService:
                 next_full = trio.current_time() + cfg.reannounce_interval_s
                 self._dirty.update(self.store.manifest_ids()[-cfg.reannounce_manifests:])
             dirty, self._dirty = self._dirty, set()
-            for mid in dirty:
+            haves = [have for mid in dirty if (have := self._have(mid)) is not None]
+            for start in range(0, len(haves), MAX_HAVES_PER_MESSAGE):
                 await self._take_have_token()
-                await self._announce_have(mid)
+                await self._gossip(seal(Haves(haves=tuple(haves[start:start + MAX_HAVES_PER_MESSAGE])), self.keypair))
             await trio.sleep(cfg.have_interval_s)
 
     async def _take_have_token(self) -> None:
@@ -437,15 +438,14 @@ class ShardcastService:
             self._have_tokens, self._have_refilled_at = 1.0, trio.current_time()
         self._have_tokens -= 1.0
 
-    async def _announce_have(self, manifest_id: bytes) -> None:
+    def _have(self, manifest_id: bytes) -> Have | None:
+        """What we hold of a stored manifest, verified; None if nothing (or the manifest is gone)."""
         signed = self.store.get_manifest(manifest_id)
         if signed is None:
-            return
+            return None
         n = signed.manifest.num_shards
         held = self.store.held_indices(manifest_id)
-        if held:
-            have = Have(manifest_id=manifest_id, num_shards=n, bitfield=bitfield_from_indices(n, held))
-            await self._gossip(seal(have, self.keypair))
+        return Have(manifest_id=manifest_id, num_shards=n, bitfield=bitfield_from_indices(n, held)) if held else None
 
     async def _gossip(self, data: bytes) -> None:
         try:
@@ -459,13 +459,13 @@ class ShardcastService:
             self._penalize(msg.origin, "shard_gossip_flood")
             return False
         try:
-            signed = open_sealed(msg.data, expect=(Manifest, Have))
+            signed = open_sealed(msg.data, expect=(Manifest, Have, Haves))
         except RemoteProtocolError:
             self._stats.gossip_rejected += 1
             self._penalize(msg.origin, "shard_gossip_garbage")
             return False
         # A Have speaks for its signer only: a relayed copy must still come from that signer's publish.
-        if isinstance(signed.message, Have) and signed.signer != msg.origin:
+        if isinstance(signed.message, (Have, Haves)) and signed.signer != msg.origin:
             self._stats.gossip_rejected += 1
             self._penalize(msg.origin, "impersonation")
             return False
@@ -474,14 +474,14 @@ class ShardcastService:
     async def _consume_gossip(self, gossip: trio.MemoryReceiveChannel[GossipMessage]) -> None:
         async for msg in gossip:
             try:
-                signed = open_sealed(msg.data, expect=(Manifest, Have))
+                signed = open_sealed(msg.data, expect=(Manifest, Have, Haves))
             except RemoteProtocolError:
                 self._stats.gossip_rejected += 1
                 continue
             if isinstance(signed.message, Manifest):
                 self._remember(open_manifest(msg.data))
-            else:
-                have: Have = signed.message
+                continue
+            for have in signed.message.haves if isinstance(signed.message, Haves) else (signed.message,):
                 known = self._known.get(have.manifest_id) or self.store.get_manifest(have.manifest_id)
                 if known is not None and known.manifest.num_shards != have.num_shards:
                     self._stats.gossip_rejected += 1

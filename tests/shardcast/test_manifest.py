@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from protocol.codec import decode, encode
 from protocol.errors import DecodeError, IntegrityError, LocalProtocolError, SignatureError
 from protocol.keys import Keypair
-from protocol.manifest import (MAX_SHARDS, Have, ShardHeader, TensorEntry, bitfield_from_indices,
+from protocol.manifest import (MAX_HAVES_PER_MESSAGE, MAX_SHARDS, Have, Haves, ShardHeader, TensorEntry, bitfield_from_indices,
                                bitfield_indices, build_manifest, layout_tensors, make_manifest, manifest_id,
                                open_manifest, seal_manifest)
 
@@ -90,6 +90,20 @@ def test_tensor_layout_is_aligned_and_checked():
 def test_have_bitfield_length_is_checked():
     with pytest.raises(ValueError):
         Have(manifest_id=b"\0" * 32, num_shards=9, bitfield=b"\xff")
+
+
+def test_haves_round_trip_and_refuse_empty_oversized_or_repeated_batches():
+    haves = tuple(Have(manifest_id=bytes([i]) * 32, num_shards=9, bitfield=b"\xff\x01") for i in range(3))
+    assert decode(encode(Haves(haves=haves))) == Haves(haves=haves)
+    many = tuple(Have(manifest_id=bytes([i]) * 32, num_shards=1, bitfield=b"\x01")
+                 for i in range(MAX_HAVES_PER_MESSAGE + 1))
+    for bad in ((), many, (haves[0], haves[0])):
+        with pytest.raises(ValueError):
+            Haves(haves=bad)
+    # From the network the same refusals are the peer's fault, never a crash.
+    wire = encode(Haves(haves=haves[:2])).replace(haves[1].manifest_id, haves[0].manifest_id)
+    with pytest.raises(DecodeError):
+        decode(wire)
 
 
 @settings(max_examples=50, deadline=None)
