@@ -72,6 +72,8 @@ class TaskRunner:
         self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if a.get("eval_loss") is not None]
         self.dissents: list[dict] = []
         self.latest_weights: bytes = b""
+        self.spec_heard_at = -math.inf
+        """When another peer last re-gossiped this task's spec (set by the task service)."""
         self.corpus_path: Path | None = None
         self._send, self._events = trio.open_memory_channel(EVENT_QUEUE)
         self._bytes_at_start = (0, 0)
@@ -174,14 +176,21 @@ class TaskRunner:
                 await self._send.send(signed.message)
 
     async def _announce(self) -> None:
-        """Re-gossip the spec and our latest weights, so peers that arrive later can find and join us."""
+        """Re-gossip the spec and our latest weights, so peers that arrive later can find and join us.
+
+        The spec is the same bytes from every member: one copy an interval is enough for a newcomer,
+        so a member that heard another's copy within the last interval leaves its own out (as Trickle
+        does), and a swarm sends about one spec an interval instead of one per member."""
+        interval_s = self.options.announce_interval_s
         while True:
-            await trio.sleep(self.options.announce_interval_s)
-            for topic, data in ((self.options.specs_topic, self.sealed_spec), (self.topic, self.latest_weights),
+            await trio.sleep(interval_s)
+            spec = b"" if trio.current_time() - self.spec_heard_at < interval_s else self.sealed_spec
+            for topic, data in ((self.options.specs_topic, spec), (self.topic, self.latest_weights),
                                 (self.topic, await self.exchange.current_offer())):
                 if data:
                     try:
                         await self.node.host.publish(topic, data)
+                        self.node.traffic.messages_out[topic] += 1
                     except TransportError:
                         pass
 

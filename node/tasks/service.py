@@ -107,7 +107,9 @@ class TaskService:
                     pass  # logged and counted in on_cancel
                 continue
             try:
-                await self.consider(signed.message, signed.signer, msg.data)
+                known = await self.consider(signed.message, signed.signer, msg.data)
+                if known.runner is not None and msg.origin != self.node.keypair.peer_id:
+                    known.runner.spec_heard_at = trio.current_time()
             except Exception:
                 # The supervision point for spec intake: one bad spec must never stop the daemon.
                 log.exception("task spec from %s could not be considered", msg.origin)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from protocol.task import task_id
+from protocol.task import SPECS_TOPIC, task_id
 from tests.tasks.conftest import Swarm, runner, tiny_spec, wait_until
 
 pytestmark = pytest.mark.slow
@@ -82,4 +82,29 @@ async def test_a_late_joiner_catches_up_and_agrees(network, tmp_path):
         assert late.agreement and late.agreement[0]["round"] >= 1, late.agreement
         assert all(x["agreed"] for x in late.agreement)
         assert final_hash(c, tid) == final_hash(a, tid) == final_hash(b, tid)
+        nursery.cancel_scope.cancel()
+
+
+async def test_members_leave_out_the_spec_while_another_member_has_just_re_gossiped_it(network, tmp_path):
+    # Every member used to re-gossip the same spec every interval: N copies an interval for a swarm of N.
+    spec = tiny_spec(rounds=50, min_members=4)
+    tid = task_id(spec)
+    interval_s = 0.3  # tests.tasks.conftest OPTIONS
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abcd"]
+        await swarm.connected()
+        await nodes[0].tasks.publish(spec)
+        await wait_until(lambda: all(runner(n, tid) is not None for n in nodes), timeout_s=30)
+
+        def specs_sent() -> int:
+            return sum(n.traffic.messages_out[SPECS_TOPIC] for n in nodes)
+
+        before = specs_sent()
+        await trio.sleep(20 * interval_s)
+        sent = specs_sent() - before
+        # About one copy an interval (two where timers fire together), never one per member.
+        assert 10 <= sent <= 2 * 20, sent
+        late = await swarm.add("e")  # and a newcomer still hears it within moments
+        await wait_until(lambda: runner(late, tid) is not None or tid in late.tasks.tasks, timeout_s=10)
         nursery.cancel_scope.cancel()
