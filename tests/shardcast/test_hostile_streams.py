@@ -22,7 +22,7 @@ from p2p.host import open_host
 from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, PeerUnreachable, TransportError
 from protocol.keys import Keypair
-from protocol.manifest import (KIND_FILE, Have, ManifestRequest, ShardHeader, ShardRequest, bitfield_from_indices,
+from protocol.manifest import (KIND_FILE, Have, Haves, ManifestRequest, ShardHeader, ShardRequest, bitfield_from_indices,
                                make_manifest, manifest_id, seal_manifest)
 from protocol.scores import Scoreboard
 
@@ -164,6 +164,9 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
                 have = Have(manifest_id=hashlib.sha256(b"invented %d" % i).digest(), num_shards=4,
                             bitfield=bitfield_from_indices(4, {0, 1, 2, 3}))
                 await attacker.publish(TOPIC, seal(have, keys["attacker"]))
+            batch = Haves(haves=tuple(Have(manifest_id=hashlib.sha256(b"batched %d" % i).digest(), num_shards=4,
+                                           bitfield=bitfield_from_indices(4, {0})) for i in range(16)))
+            await attacker.publish(TOPIC, seal(batch, keys["attacker"]))
             for i in range(40):
                 m = make_manifest(kind=KIND_FILE, label=f"flood{i}", version=i, total_bytes=2048, shard_bytes=1024,
                                   shard_hashes=[hashlib.sha256(b"%d-%d" % (i, j)).digest() for j in range(2)])
@@ -172,6 +175,9 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
             await wait_until(lambda: limits().get("gossip_flood", 0) > 0 and limits().get("known_manifests", 0) > 0
                              and limits().get("unknown_have_manifests", 0) > 0)
             assert len(node._known) <= CFG["max_known_manifests"]
+            # A batch of Haves buys no more room for invented manifests than single Haves do.
+            unknown = [m for m in node._holders if not node._is_known(m)]
+            assert len(unknown) <= node.config.max_unknown_have_manifests
             await honest_sees_node_alive()
 
             # (c) a shard rotted on the honest receiver's own disk: a local error, the producer is not charged
