@@ -33,7 +33,7 @@ from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff
                         guard_pubsub, guard_swarm_streams, protect_peerstore)
 from p2p.interfaces import advertise_dialable_over_mdns, is_unspecified
 from p2p.nat import NatService
-from p2p.wire import count_gossip_bytes, count_wire_bytes, omit_sender_records
+from p2p.wire import count_gossip_bytes, count_wire_bytes, idontwant_for_large_messages_only, omit_sender_records
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -411,6 +411,7 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     # and its task messages were lost). go-libp2p starts at the clock's nanoseconds; so do we.
     pubsub.counter = time.time_ns()
     fix_prune_backoff(gossipsub)
+    idontwant_for_large_messages_only(gossipsub)
     offences = Offences()
     fix_inbound_slots(raw_host, offences)
     protect_peerstore(raw_host)

@@ -115,3 +115,23 @@ def omit_sender_records(pubsub: Any) -> None:
 
 def _no_record(_host: Any) -> tuple[bytes, bool]:
     return b"", False
+
+
+IDONTWANT_MIN_BYTES = 1024
+"""go-libp2p's IDontWantMessageThreshold: below it an IDONTWANT costs about what it saves."""
+
+
+def idontwant_for_large_messages_only(gossipsub: Any) -> None:
+    """Send IDONTWANT (gossipsub v1.2) only for messages of IDONTWANT_MIN_BYTES or more, as go-libp2p does.
+
+    py-libp2p sends it, as an RPC of its own, to every mesh peer for every message it publishes or
+    forwards, whatever the size: an 80-byte write and a Noise encryption per peer for each small
+    announcement or Have, which is most of what Shoal gossips. A large message still gets one."""
+    emit = gossipsub._emit_idontwant_for_message
+
+    async def emit_for_large(msg_id: bytes, topic_ids: Any) -> None:
+        msg = gossipsub.mcache.get(msg_id)  # put there just before, by the publish that calls us
+        if msg is not None and len(msg.data) >= IDONTWANT_MIN_BYTES:
+            await emit(msg_id, topic_ids)
+
+    gossipsub._emit_idontwant_for_message = emit_for_large

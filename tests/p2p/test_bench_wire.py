@@ -27,4 +27,4 @@ def test_bench_wire_reports_the_bulk_and_small_stream_overheads(tmp_path):
     # in every RPC made it about 1,800 on the publisher's side and 480 on the receiver's.
     gossip = report["gossip"]
     assert 1000 < gossip["publisher_wire_bytes_per_message"] < 1400, report
-    assert gossip["receiver_wire_bytes_per_message"] < 250, report
+    assert gossip["receiver_wire_bytes_per_message"] < 100, report  # a window update; 143 with IDONTWANT for each

@@ -106,3 +106,31 @@ async def test_gossip_rpcs_leave_without_a_peer_record_and_cost_little_more_than
     # Noise and Yamux framing about 30, the heartbeats' control RPCs about 80 each: about 1,330 bytes a
     # message here. py-libp2p's peer record in every RPC made it about 1,800.
     assert sent < count * (size + 400), sent
+
+
+async def test_idontwant_goes_out_for_large_messages_only():
+    topic = "shoal-test/idontwant"
+    with trio.fail_after(30):
+        async with open_host(fresh_keypair(), make_config()) as a, open_host(fresh_keypair(), make_config()) as b:
+            received = b.subscribe(topic, None)
+            a.subscribe(topic, None)
+            await connect(a, b)
+            await a.wait_for_topic_peer(topic, b.peer_id)
+            await b.wait_for_topic_peer(topic, a.peer_id)
+            idontwants = []
+            write_msg = b._pubsub.write_msg
+
+            async def spy(stream, rpc_msg) -> bool:
+                if rpc_msg.HasField("control"):
+                    idontwants.extend(rpc_msg.control.idontwant)
+                return await write_msg(stream, rpc_msg)
+
+            b._pubsub.write_msg = spy
+            for size in (100, 1000, 1023):
+                await a.publish(topic, bytes(size))
+                assert len((await received.receive()).data) == size
+            await trio.sleep(0.5)
+            assert not idontwants  # each would have cost an RPC of its own per mesh peer
+            await a.publish(topic, bytes(4096))
+            await received.receive()
+            await wait_until(lambda: len(idontwants) == 1)
