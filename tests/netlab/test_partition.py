@@ -16,8 +16,8 @@ def test_a_cut_host_and_a_two_one_one_split_heal_to_one_history(netlab_session, 
     for part in (report["one_cut"], report["two_one_one"]):
         # No side below min_members produces a round.
         assert part["rounds_closed_below_min_members"] == 0, part
-        # Within 2 rounds of the heal every node holds the same weights, and no later round fails.
-        # The slowest round after the heal is reported, not asserted: it does not yet stay within the
-        # round deadline in every run (53.4 s against 20 s after the 2-1-1 heal in one fresh-clone run).
+        # Within 2 rounds of the heal every node holds the same weights, no later round fails, and none
+        # waits out the round deadline (53.4 s against 20 s while gossip cost a daemon most of a core).
         assert part["rounds_to_one_hash"] <= 2, part
         assert part["rounds_failed_after_heal"] == 0, part
+        assert part["slowest_round_after_heal_s"] < report["round_deadline_s"], part
