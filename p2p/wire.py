@@ -10,6 +10,10 @@ socket of its own: its bytes are counted once, on the TCP connection to the rela
 Gossip is also counted by what it carries (count_gossip_bytes): what this host sent of each topic's
 messages (its own and those it forwards, every copy), of control (IHAVE, IWANT, GRAFT, PRUNE) and of
 subscriptions, so a user can see where the bytes beyond the streams go.
+
+It also takes off what py-libp2p adds to gossip that Shoal does not use: the signed peer record
+in every RPC (omit_sender_records) and IDONTWANT for messages too small to be worth one
+(idontwant_for_large_messages_only).
 """
 
 from __future__ import annotations
