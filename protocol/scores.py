@@ -21,7 +21,6 @@ PENALTIES = {
     "gossip_rpc_too_many_entries": 20.0,
     "gossip_oversize": 20.0,
     "gossip_bad_signature": 25.0,
-    "gossip_bad_peer_record": 10.0,
     "gossip_too_many_subscriptions": 10.0,
     "gossip_control_malformed": 15.0,
     "gossip_malformed": 10.0,
