@@ -3,6 +3,8 @@ update) for several frames instead of one per varint byte."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 from libp2p.exceptions import ParseError
@@ -76,14 +78,22 @@ async def test_a_varint_longer_than_ten_bytes_is_malformed():
         await frames_of(ScriptedStream(b"\xff" * 12))
 
 
+@asynccontextmanager
+async def two_hosts_on(topic: str):
+    """Two real hosts in one topic's mesh; yields them and b's subscription."""
+    async with open_host(fresh_keypair(), make_config()) as a, open_host(fresh_keypair(), make_config()) as b:
+        received = b.subscribe(topic, None)
+        a.subscribe(topic, None)
+        await connect(a, b)
+        await a.wait_for_topic_peer(topic, b.peer_id)
+        await b.wait_for_topic_peer(topic, a.peer_id)
+        yield a, b, received
+
+
 async def test_gossip_rpcs_leave_without_a_peer_record_and_cost_little_more_than_their_message():
     topic, count, size = "shoal-test/wire", 20, 1000
     with trio.fail_after(30):
-        async with open_host(fresh_keypair(), make_config()) as a, open_host(fresh_keypair(), make_config()) as b:
-            received = b.subscribe(topic, None)
-            a.subscribe(topic, None)
-            await connect(a, b)
-            await a.wait_for_topic_peer(topic, b.peer_id)
+        async with two_hosts_on(topic) as (a, b, received):
             written = []
             write_msg = a._pubsub.write_msg
 
@@ -111,12 +121,7 @@ async def test_gossip_rpcs_leave_without_a_peer_record_and_cost_little_more_than
 async def test_idontwant_goes_out_for_large_messages_only():
     topic = "shoal-test/idontwant"
     with trio.fail_after(30):
-        async with open_host(fresh_keypair(), make_config()) as a, open_host(fresh_keypair(), make_config()) as b:
-            received = b.subscribe(topic, None)
-            a.subscribe(topic, None)
-            await connect(a, b)
-            await a.wait_for_topic_peer(topic, b.peer_id)
-            await b.wait_for_topic_peer(topic, a.peer_id)
+        async with two_hosts_on(topic) as (a, b, received):
             idontwants = []
             write_msg = b._pubsub.write_msg
 
