@@ -306,6 +306,9 @@ class TaskMachine:
     _heartbeats: int = 0
     """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _zero_joins: set[str] = field(default_factory=set)
+    _joined_at: dict[str, float] = field(default_factory=dict)
+    """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
+    (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
     _sync_round: int = -1
     """The round of the weights being fetched: the message window follows it while syncing."""
     _now: float = float("-inf")
@@ -438,9 +441,13 @@ class TaskMachine:
         return ordered
 
     def _prospective(self, r: int, base: Head, now: float) -> int:
-        """How many live nodes (this one included) would be members of round r from ``base``."""
-        rec = RoundState(index=r, base=base)
-        peers = self.position
+        """How many live nodes (this one included) would be members of round r from ``base``: those whose
+        last word puts them there, and those already seen training it from ``base`` (a restarted node
+        hears their updates again before anyone re-announces weights)."""
+        seen = self.rounds_seen.get(r)
+        rec = RoundState(index=r, base=base, updates={} if seen is None else {
+            p: u for p, u in seen.updates.items() if u.base_hash == base.weights_hash})
+        peers = set(self.position) | set(rec.updates)
         return 1 + sum(1 for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec))
 
     # -- the round window ------------------------------------------------------------------------
@@ -553,6 +560,7 @@ class TaskMachine:
             else:
                 self._zero_joins.discard(msg.peer_id)
         self._heard_now(msg.peer_id, now)
+        self._joined_at[msg.peer_id] = now
         rec = self.rounds_seen.get(msg.round)
         if msg.round == self.current and rec is not None and rec.phase is Phase.COLLECTING \
                 and rec.my_update is not None:
@@ -958,6 +966,15 @@ class TaskMachine:
         mine = [a[self.self_id] for _, a in sorted(rec.aggregates.items()) if self.self_id in a]
         return [Publish(rec.my_update), *(Publish(m) for m in mine)]
 
+    def _owes(self, peer: str, rec: RoundState, now: float) -> bool:
+        """A member counted when the round collected still owes its aggregate or vote: it is live, has not
+        joined again since (a restarted process or a re-synced node never sends the old one's), and has
+        not said it holds a later round's weights."""
+        if not self.live(peer, now) or self._joined_at.get(peer, float("-inf")) > rec.collected_at:
+            return False
+        pos = self.position.get(peer)
+        return pos is None or pos[0] <= rec.index + 1
+
     @staticmethod
     def _updated_count(rec: RoundState, members: list[str]) -> int:
         i = rec.updated if rec.updated_of is members else 0
@@ -981,7 +998,7 @@ class TaskMachine:
             # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
             # so the slice need not wait for the other aggregators.
             if not collected <= set(best.included) and any(
-                    a not in got and self.live(a, now) for a in expected):
+                    a not in got and self._owes(a, rec, now) for a in expected):
                 complete = False
         if not complete and now < rec.collected_at + self.round_deadline_s:
             # An aggregator still collecting may have lost our update, and a member our aggregate.
@@ -1004,7 +1021,7 @@ class TaskMachine:
         while rec.waiting_votes and rec.waiting_votes[-1] in voters:
             rec.waiting_votes.pop()
         if now < rec.applied_at + self.round_deadline_s and any(
-                p not in voters and self.live(p, now) for p in reversed(rec.waiting_votes)):
+                p not in voters and self._owes(p, rec, now) for p in reversed(rec.waiting_votes)):
             return []
         self._move(rec, "voted")
         # Only the round's members vote: weights from a node that was not counted in the round (a

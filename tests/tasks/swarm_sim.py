@@ -84,6 +84,9 @@ class Swarm:
 
     def kill(self, name: str) -> None:
         self.dead.add(name)
+        # Work the dead process had under way never finishes, even if it is restarted before it would have.
+        self.later = [item for item in self.later if item[2] != name]
+        heapq.heapify(self.later)
         self._groups.clear()
 
     def _in_group(self, group: int) -> list[tuple[str, TaskMachine]]:

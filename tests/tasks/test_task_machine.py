@@ -332,12 +332,17 @@ def test_a_node_restarted_into_a_round_that_needs_it_trains_it_again():
 
 
 def test_a_node_killed_and_restarted_every_ten_to_fifteen_seconds_never_stalls_a_round():
-    """scripts/chaos_swarm.py in the simulation: no round fails, none waits past one quiet window."""
+    """scripts/chaos_swarm.py in the simulation: no round fails, none takes twice a quiet round.
+
+    Applying takes a second, as it does in a node, so kills land between a member's aggregation and
+    its vote too: a restarted member owes neither, and is not waited for."""
     import random
     names = ["a", "b", "c", "d"]
-    for seed in range(3):
+    apply_s = 1.0
+    for seed in range(4):
         rng = random.Random(seed)
         sim = TimedSwarm(names, rounds=400, min_members=3)
+        sim.apply_s = {n: apply_s for n in names}
         sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
         for _ in range(12):
             sim.advance(rng.uniform(10.0, 15.0))
@@ -351,9 +356,9 @@ def test_a_node_killed_and_restarted_every_ten_to_fifteen_seconds_never_stalls_a
         assert not sim.disagreements(), seed
         closed = sim.closed_at
         gaps = {r: closed[r] - closed[r - 1] for r in sorted(closed) if r - 1 in closed and r > 3}
-        # A quiet round is TRAIN_S; a member that died is waited for one quiet window at most.
-        slow = {r: round(g, 2) for r, g in gaps.items() if g > TRAIN_S + QUIET_S + HEARTBEAT_S}
-        assert not slow, f"seed {seed}: rounds over a quiet round plus one heartbeat window: {slow}"
+        # A quiet round is TRAIN_S + apply_s; issue 9's target for churn is twice that.
+        slow = {r: round(g, 2) for r, g in gaps.items() if g > 2 * (TRAIN_S + apply_s)}
+        assert not slow, f"seed {seed}: rounds over twice a quiet round: {slow}"
 
 
 class LossySwarm(TimedSwarm):
@@ -457,3 +462,31 @@ def test_a_members_announced_training_share_reaches_the_others_statistics():
         others = machine.statistics(sim.now)["announced"]
         assert set(others) == set("abc") - {name}
         assert all(a["train_share"] == TRAIN_SHARE and a["round"] == 9 for a in others.values()), others
+
+
+def test_a_member_restarted_between_its_aggregation_and_its_vote_is_not_waited_for():
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+    sim.apply_s = {"d": 1.0}  # d applies slowly: the others vote while d's vote is still to come
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+    m = sim.machines["a"]
+    sim.run_until(lambda: m.rounds_seen[m.current].phase is Phase.VOTING, 30, step_s=0.05)
+    r = m.current
+    assert "d" in m.rounds_seen[r].members and "d" not in m.rounds_seen[r].weights
+    sim.kill("d")
+    sim.advance(0.5)  # back before it went quiet: live, but its new process never votes on round r
+    sim.restart("d")
+    sim.run_until(lambda: r in sim.closed_at, 30, step_s=0.1)
+    assert sim.closed_at[r] - sim.closed_at[r - 1] <= TRAIN_S + 2 * HEARTBEAT_S, "the vote waited for d"
+    sim.run_until(sim.all_done, 120)
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+
+
+def test_a_restarted_node_that_hears_its_peers_train_its_round_opens_it_without_waiting_for_their_weights():
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+    r = killed_after_the_others_trained(sim, "d")
+    d = sim.machines["d"]
+    sim.advance(HEARTBEAT_S)
+    # The others' updates from d's weights say they are on its history before any re-announces weights.
+    assert d.stage is not Stage.PAUSED, d.detail
+    sim.run_until(lambda: ("d", r) in sim.closed_by, 30, step_s=0.1)
+    assert sim.closed_by[("d", r)] - sim.closed_at[r] < HEARTBEAT_S, "d paused, then caught up by a fetch"
