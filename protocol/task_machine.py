@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from protocol.heard import HeardLog
+from protocol.rendezvous import make_key, top
 from protocol.round import Head, aggregators, best_head, choose_aggregate, round_work, vote
 from protocol.task import AggregateAnnounce, TaskJoin, UpdateAnnounce, WeightsAnnounce
 
@@ -85,6 +86,8 @@ AHEAD_ROUNDS = 8
 JOIN_LEAD_ROUNDS = 2
 """A node that synced follows this many rounds before it produces, so every member counts it from
 the same round (members that disagree on membership pick different aggregators)."""
+JOIN_ANSWERS = 2
+"""Members that answer a join from older weights with their own (chosen by rendezvous hash)."""
 
 
 # -- events the caller feeds in (besides the task messages themselves) ----------------------------
@@ -306,6 +309,8 @@ class TaskMachine:
     _heartbeats: int = 0
     """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _zero_joins: set[str] = field(default_factory=set)
+    _my_weights: WeightsAnnounce | None = None
+    """Our latest WeightsAnnounce, told again to a node that joins from older weights."""
     _joined_at: dict[str, float] = field(default_factory=dict)
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
@@ -568,7 +573,18 @@ class TaskMachine:
             # back: without them it can never close the round, and every member would wait out the
             # vote for it. Ours again, once per join, lets it close the round with us.
             return [Publish(rec.my_update), *self.tick(now)]
+        mine = self._my_weights
+        if mine is not None and msg.round <= mine.round and self._answers_join(msg, now):
+            # A node restarted from older weights would open a round the swarm has closed, train it for
+            # nothing and only then fetch ours: told now, it fetches at once. Two members answer each join.
+            return [Publish(mine), *self.tick(now)]
         return self.tick(now)
+
+    def _answers_join(self, msg: TaskJoin, now: float) -> bool:
+        holders = [p for p, w in self.latest.items() if p != msg.peer_id and self.live(p, now)
+                   and w.weights_hash == self._my_weights.weights_hash]
+        return self.self_id in top(make_key("join", self.task_id, msg.peer_id, msg.round), [self.self_id, *holders],
+                                   JOIN_ANSWERS)
 
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
@@ -659,16 +675,17 @@ class TaskMachine:
         rec.mine = self.head = Head(round=ev.round + 1, weights_hash=ev.weights_hash, state_hash=ev.state_hash,
                                     work=rec.base.work + round_work(rec.chosen), peer_id=self.self_id,
                                     state_manifest=ev.state_manifest)
-        msg = WeightsAnnounce(task_id=self.task_id, round=ev.round, peer_id=self.self_id,
-                              weights_hash=ev.weights_hash, state_hash=ev.state_hash,
-                              state_manifest=ev.state_manifest, eval_loss=ev.eval_loss, work=self.head.work,
-                              train_share=ev.train_share)
+        msg = self._my_weights = WeightsAnnounce(
+            task_id=self.task_id, round=ev.round, peer_id=self.self_id, weights_hash=ev.weights_hash,
+            state_hash=ev.state_hash, state_manifest=ev.state_manifest, eval_loss=ev.eval_loss, work=self.head.work,
+            train_share=ev.train_share)
         return [Publish(msg), *self._advance(rec, now)]
 
     def _on_Synced(self, ev: Synced, now: float) -> list[Effect]:
         assert self.stage is Stage.SYNCING, "Synced unasked"
         self._to("synced")
         self.head = ev.head
+        self._my_weights = None  # what we announced last is no longer what we hold
         effects: list[Effect] = []
         if ev.head.round > 0:
             # Into a running swarm a node follows JOIN_LEAD_ROUNDS first; into a paused one (a healed

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from protocol.round import aggregators
-from protocol.task import UpdateAnnounce
-from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Phase,
+from protocol.task import UpdateAnnounce, WeightsAnnounce
+from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Phase, Publish,
                                    RoundClosed, Stage, TaskMachine)
 from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, TRAIN_SHARE, Swarm, h
 
@@ -490,3 +490,23 @@ def test_a_restarted_node_that_hears_its_peers_train_its_round_opens_it_without_
     assert d.stage is not Stage.PAUSED, d.detail
     sim.run_until(lambda: ("d", r) in sim.closed_by, 30, step_s=0.1)
     assert sim.closed_by[("d", r)] - sim.closed_at[r] < HEARTBEAT_S, "d paused, then caught up by a fetch"
+
+
+def test_a_node_restarted_from_older_weights_is_told_the_swarms_at_once_and_trains_no_stale_round():
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=20, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+    sim.kill("d")
+    stale = sim.saved["d"].round
+    sim.run_until(lambda: sim.rounds_done("a") >= stale + 2, 60)
+    sim.next_announce = sim.now + 60  # no periodic re-announcement arrives in time to tell it
+    restarted_at, seen = sim.now, len(sim.events)
+    sim.restart("d")
+    sim.advance(0.1)
+    after = [e for n, e in sim.events[seen:] if n == "d"]
+    fetches = [e for e in after if isinstance(e, FetchState)]
+    assert fetches and fetches[0].head.round > stale, after
+    assert not [e for e in after if type(e).__name__ == "Train" and e.round < fetches[0].head.round]
+    answers = [e for n, e in sim.events[seen:] if n != "d" and isinstance(e, Publish)
+               and isinstance(e.message, WeightsAnnounce)]
+    assert 1 <= len(answers) <= 2, "two members answer a join, not every member"
+    assert sim.now - restarted_at < HEARTBEAT_S
