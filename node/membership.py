@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -81,6 +82,8 @@ class Membership:
         self._next_dial_at: dict[str, tuple[float, float]] = {}  # peer -> (not before, backoff)
         self._to_disconnect: trio.MemorySendChannel[str]
         self._to_disconnect, self._disconnect_queue = trio.open_memory_channel(256)
+        self.gone_listeners: list[Callable[[str], None]] = []
+        """Called with a peer id when an alive peer's last connection closes (the task runners)."""
 
     # -- what we say about ourselves ----------------------------------------------------------
 
@@ -173,7 +176,17 @@ class Membership:
             for addr in self.config.bootstrap:
                 nursery.start_soon(self._keep_bootstrapped, addr)
             nursery.start_soon(self._dial_discovered)
+            nursery.start_soon(self._watch_disconnections)
             task_status.started()
+
+    async def _watch_disconnections(self) -> None:
+        """A peer whose last connection closed is suspect at once: a SIGKILLed node's sockets close as it
+        dies, seconds before its missing announcements would say so. Its next announcement revives it."""
+        async for peer_id in self.host.disconnections():
+            if self.table.disconnected(peer_id, trio.current_time()):
+                log.info("peer %s closed its last connection; suspect until it is heard again", peer_id)
+                for listener in list(self.gone_listeners):
+                    listener(peer_id)
 
     async def _consume(self, messages) -> None:
         async for msg in messages:

@@ -181,6 +181,11 @@ class Host(Protocol):
     def discovered(self) -> trio.MemoryReceiveChannel[str]:
         """Multiaddrs of peers found by mDNS (empty when mDNS is off); the node decides whom to dial."""
 
+    def disconnections(self) -> trio.MemoryReceiveChannel[str]:
+        """Peer ids whose last connection to this host closed, as it closes. A killed process's sockets
+        close at once, long before its heartbeats are missed; the peer may still be reachable through
+        others (their gossip of its heartbeats says so). One reader; a full channel drops the newest."""
+
     def statistics(self) -> HostStatistics: ...
 
     def reachability(self) -> Reachability:

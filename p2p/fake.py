@@ -140,6 +140,7 @@ class FakeHost:
         self._blocked_until: dict[str, float] = {}
         self._offence_handler = None
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
+        self._gone_send, self._gone_receive = trio.open_memory_channel[str](config.subscription_buffer)
 
     def listen_addrs(self) -> list[str]:
         return [self._addr]
@@ -271,6 +272,9 @@ class FakeHost:
     def discovered(self) -> trio.MemoryReceiveChannel[str]:
         return self._discovered_receive
 
+    def disconnections(self) -> trio.MemoryReceiveChannel[str]:
+        return self._gone_receive
+
     def statistics(self) -> HostStatistics:
         s = self._stats
         return dataclasses.replace(s, connected_peers=len(self._links), bytes_sent_by_peer=dict(s.bytes_sent_by_peer),
@@ -320,6 +324,7 @@ class FakeNetwork:
             for send, _ in host._subs.values():
                 send.close()
             host._discovered_send.close()
+            host._gone_send.close()
             nursery.cancel_scope.cancel()
             await stack.aclose()
 
@@ -366,7 +371,12 @@ class FakeNetwork:
         for host, other in ((host_a, b), (host_b, a)):
             if host is None:
                 continue
-            host._links.discard(other)
+            if other in host._links:
+                host._links.discard(other)
+                try:
+                    host._gone_send.send_nowait(other)
+                except (trio.WouldBlock, trio.ClosedResourceError):
+                    pass
             for stream in [s for s in host._streams if s.remote_peer == other]:
                 stream._break()
         self._notify()

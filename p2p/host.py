@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
 from libp2p.custom_types import TProtocol
@@ -104,6 +105,7 @@ class Libp2pHost:
         self._publish_lock = trio.Lock()
         self._stuck_peers: set[Any] = set()
         self._discovered_send, self._discovered_receive = trio.open_memory_channel[str](config.subscription_buffer)
+        self._gone_send, self._gone_receive = trio.open_memory_channel[str](config.subscription_buffer)
         self.nat: NatService | None = None
 
     def reachability(self) -> Reachability:
@@ -346,6 +348,18 @@ class Libp2pHost:
     def discovered(self) -> trio.MemoryReceiveChannel[str]:
         return self._discovered_receive
 
+    def disconnections(self) -> trio.MemoryReceiveChannel[str]:
+        return self._gone_receive
+
+    def _on_disconnected(self, conn: Any) -> None:
+        pid = conn.muxed_conn.peer_id
+        if self._host.get_network().get_connections(pid):
+            return  # another connection to the peer is still open
+        try:
+            self._gone_send.send_nowait(str(pid))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
     def _on_peer_discovered(self, info: PeerInfo) -> list[str]:
         """Runs on the trio thread: queue the peer's dialable addresses, never ours."""
         if str(info.peer_id) == self.peer_id:
@@ -444,6 +458,7 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
             await pubsub.wait_until_ready()
             nursery = await stack.enter_async_context(trio.open_nursery())
             host = Libp2pHost(keypair, config, raw_host, pubsub, nursery, offences, gate, stats)
+            raw_host.get_network().register_notifee(_Disconnections(host))
             if config.nat:
                 host.nat = await nursery.start(NatService(raw_host, config).run)
             if config.mdns:
@@ -458,6 +473,21 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
             await _shutdown(raw_host, stack, nursery)
     if teardown.cancelled_caught:
         logger.warning("libp2p host shutdown exceeded %s s; abandoned", CLEANUP_S)
+
+
+class _Disconnections(INotifee):
+    """Tells the host when a connection closes; the swarm has already forgotten it by then."""
+
+    def __init__(self, host: Libp2pHost):
+        self._host = host
+
+    async def opened_stream(self, network: Any, stream: Any) -> None: ...
+    async def closed_stream(self, network: Any, stream: Any) -> None: ...
+    async def connected(self, network: Any, conn: Any) -> None: ...
+    async def disconnected(self, network: Any, conn: Any) -> None:
+        self._host._on_disconnected(conn)
+    async def listen(self, network: Any, multiaddr: Any) -> None: ...
+    async def listen_close(self, network: Any, multiaddr: Any) -> None: ...
 
 
 def _thread_forwarder(host: Libp2pHost, token: trio.lowlevel.TrioToken):

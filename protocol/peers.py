@@ -81,6 +81,17 @@ class PeerTable:
         record.announcements += 1
         return Observed.REVIVED if was is PeerState.DEAD else Observed.UPDATED
 
+    def disconnected(self, peer_id: str, now: float) -> bool:
+        """Our last connection to an alive peer closed (a killed process closes its sockets at once):
+        it is suspect from now, as if its announcements had stopped ``suspect_after_s`` ago. Its next
+        announcement, relayed by any other peer, makes it alive again. True if it was alive."""
+        record = self.peers.get(peer_id)
+        if record is None or record.state is not PeerState.ALIVE:
+            return False
+        record.last_seen = min(record.last_seen, now - self.suspect_after_s)
+        record.state = PeerState.SUSPECT
+        return True
+
     def tick(self, now: float) -> list[Transition]:
         """Advance the clock; returns the state changes it caused, in peer id order."""
         changes = []

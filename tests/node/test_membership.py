@@ -38,6 +38,21 @@ async def test_a_killed_node_goes_suspect_then_dead_and_comes_back(network, tmp_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_whose_connection_closes_is_suspect_at_once_and_its_listeners_hear_it(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
+        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=[a.host.listen_addrs()[0]]),
+                                network.open_host)
+        b_id = b.keypair.peer_id
+        heard: list[str] = []
+        a.membership.gone_listeners.append(heard.append)
+        await wait_until(lambda: a.membership.table.alive() == [b_id])
+        network.kill(b_id)
+        await wait_until(lambda: heard == [b_id], timeout_s=0.3)  # within suspect_after_s (0.6 s)
+        assert states(a)[b_id] is PeerState.SUSPECT
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_partitioned_node_is_dead_then_alive_again_after_heal(network, tmp_path):
     async with trio.open_nursery() as nursery:
         a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)

@@ -327,6 +327,23 @@ async def test_disconnect_ends_streams_and_does_not_redial(swarm):
                 pytest.fail("the link came back without a connect()")
 
 
+async def test_a_peer_whose_last_connection_closes_is_reported_gone_at_once(swarm):
+    with trio.fail_after(20):
+        async with swarm.hosts(2) as (a, b):
+            async with swarm.open_host() as c:
+                await connect(a, b)
+                await connect(a, c)
+                await c.connect(b.listen_addrs()[0])
+                await b.disconnect(a.peer_id)  # b hangs up on a
+                with trio.fail_after(5):
+                    assert await a.disconnections().receive() == b.peer_id
+                    assert await b.disconnections().receive() == a.peer_id
+            # c stopped (a killed process closes its sockets the same way): both its peers hear it at once.
+            with trio.fail_after(5):
+                assert await a.disconnections().receive() == c.peer_id
+                assert await b.disconnections().receive() == c.peer_id
+
+
 async def test_three_connected_hosts_shut_down_cleanly_with_work_in_flight(swarm):
     async def stall(stream):
         await trio.sleep_forever()

@@ -72,3 +72,14 @@ def test_thousand_simulated_peers_converge():
         t.observe(ann(p, 2), p, now=9)
     t.tick(12)
     assert t.counts() == {"alive": 500, "suspect": 0, "dead": 500}
+
+
+def test_a_peer_whose_last_connection_closed_is_suspect_at_once_and_revives_on_its_next_announcement():
+    t = table()
+    t.observe(ann(A, 1), A, now=0)
+    assert t.disconnected(A, now=1.0)
+    assert t.in_state(PeerState.SUSPECT) == [A]
+    assert [(c.old, c.new) for c in t.tick(7.0)] == [(PeerState.SUSPECT, PeerState.DEAD)]  # 6 s of silence, not 10
+    assert not t.disconnected(A, now=7.5), "only an alive peer changes"
+    assert not t.disconnected(B, now=7.5), "an unknown peer is ignored"
+    assert t.observe(ann(A, 2), A, now=8) is Observed.REVIVED and t.alive() == [A]
