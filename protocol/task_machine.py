@@ -144,8 +144,15 @@ class WorkFailed:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerGone:
+    """Every connection to the peer closed (a killed process closes its sockets at once)."""
+
+    peer_id: str
+
+
 Event = TaskJoin | UpdateAnnounce | AggregateAnnounce | WeightsAnnounce | Trained | Aggregated | Applied | Synced \
-    | SyncFailed | WorkFailed
+    | SyncFailed | WorkFailed | PeerGone
 
 
 # -- effects the caller acts on --------------------------------------------------------------------
@@ -226,11 +233,20 @@ class Dissent:
 
 
 @dataclass(frozen=True, slots=True)
+class Overdue:
+    """A phase of round ``round`` ran to its deadline still waiting for these live peers (for operators)."""
+
+    round: int
+    phase: str
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     round: int
 
 
-Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Finished
+Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Overdue | Finished
 
 
 _WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed)
@@ -309,6 +325,8 @@ class TaskMachine:
     _heartbeats: int = 0
     """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _zero_joins: set[str] = field(default_factory=set)
+    _gone_at: dict[str, float] = field(default_factory=dict)
+    """Per peer, when its connections last all closed (PeerGone): shared heartbeats from before do not count."""
     _my_weights: WeightsAnnounce | None = None
     """Our latest WeightsAnnounce, told again to a node that joins from older weights."""
     _joined_at: dict[str, float] = field(default_factory=dict)
@@ -351,7 +369,8 @@ class TaskMachine:
         if self._shared is None:
             return False
         t = self._shared.times.get(peer)
-        return t is not None and t > self._since and now - t < self.quiet_after_s
+        return t is not None and t > self._since and now - t < self.quiet_after_s \
+            and t > self._gone_at.get(peer, float("-inf"))
 
     def last_heard(self, peer: str) -> float | None:
         t = self.heard.get(peer)
@@ -721,6 +740,19 @@ class TaskMachine:
         self.detail = f"weights {ev.head.weights_hash[:16]} not fetched: {ev.reason}"
         return self._begin(now)
 
+    def _on_PeerGone(self, ev: PeerGone, now: float) -> list[Effect]:
+        """Quiet from now rather than a heartbeat window after its last word: a member killed mid-round is
+        not waited for. Its next message or heartbeat makes it live again (one reached through other peers
+        is back within a heartbeat), and so does a later heartbeat in a shared log (share_heard)."""
+        peer = ev.peer_id
+        if peer != self.self_id and self.live(peer, now):
+            self._gone_at[peer] = now
+            self.heard[peer] = now - self.quiet_after_s
+            self._own_changes += 1
+            self._members_cache.clear()
+            self._best_dirty = True
+        return self.tick(now)
+
     def _on_WorkFailed(self, ev: WorkFailed, now: float) -> list[Effect]:
         self._to("fail")
         self.detail = ev.reason
@@ -959,13 +991,15 @@ class TaskMachine:
             # update in the air so the round can close the moment the others are back.
             self.detail = f"round {rec.index}: {len(rec.updates)}/{self.min_members} updates, waiting for members"
             return self._regossip(rec, now)
+        overdue = [] if everyone else [Overdue(rec.index, "collecting", tuple(
+            p for p in members if p not in rec.updates and self.live(p, now)))]
         self._move(rec, "collected")
         self.detail = ""
         rec.collected_at = now
         rec.members = tuple(sorted(set(members) | set(rec.updates)))
         pool = [p for p in members if self.live(p, now)]
         updates = tuple(rec.updates[p] for p in sorted(rec.updates))
-        effects: list[Effect] = []
+        effects: list[Effect] = [o for o in overdue if o.peers]
         for s in range(self.num_slices):
             rec.aggregators[s] = aggregators(self.task_id, rec.index, s, pool, self.aggregators_per_slice)
             if self.self_id in rec.aggregators[s]:
@@ -1021,14 +1055,18 @@ class TaskMachine:
             # An aggregator still collecting may have lost our update, and a member our aggregate.
             return self._regossip(rec, now)
         self._move(rec, "gathered")
+        late = tuple(sorted({a for s in range(self.num_slices) for a in rec.aggregators.get(s, ())
+                             if a not in rec.aggregates.get(s, {}) and self._owes(a, rec, now)}))
+        overdue = [Overdue(rec.index, "gathering", late)] if not complete and late else []
         if len(chosen) < self.num_slices:
             rec.chosen = ()
-            return [Apply(rec.index, (), (), f"{self.num_slices - len(chosen)} slice(s) got no aggregate in time")]
+            missing = self.num_slices - len(chosen)
+            return [*overdue, Apply(rec.index, (), (), f"{missing} slice(s) got no aggregate in time")]
         rec.chosen = tuple(chosen)
         same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
                      for c in chosen)
         best = self._best_known(now) if not rec.producing else None
-        return [Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
+        return [*overdue, Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
 
     def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
         voters = rec.weights
@@ -1040,14 +1078,15 @@ class TaskMachine:
         if now < rec.applied_at + self.round_deadline_s and any(
                 p not in voters and self._owes(p, rec, now) for p in reversed(rec.waiting_votes)):
             return []
+        late = tuple(p for p in rec.waiting_votes if p not in voters and self._owes(p, rec, now))
         self._move(rec, "voted")
         # Only the round's members vote: weights from a node that was not counted in the round (a
         # joiner that counted itself early, a node on another history) are no vote on it.
         counted = set(rec.members)
         voters = {p: w for p, w in voters.items() if p in counted}
         winner, num_for, num_against = vote(rec.mine, voters)
-        effects: list[Effect] = [Dissent(rec.index, p, w.weights_hash)
-                                 for p, w in sorted(voters.items()) if w.weights_hash != winner]
+        effects: list[Effect] = [Overdue(rec.index, "voting", late)] if late else []
+        effects += [Dissent(rec.index, p, w.weights_hash) for p, w in sorted(voters.items()) if w.weights_hash != winner]
         closed = RoundClosed(round=rec.index, weights_hash=winner, agreed=winner == rec.mine.weights_hash,
                              num_agree=num_for, num_disagree=num_against, members=len(rec.members),
                              work=rec.mine.work, failed=not rec.chosen)
@@ -1083,4 +1122,4 @@ class TaskMachine:
 
 _HANDLERS = {kind: getattr(TaskMachine, f"_on_{kind.__name__}")
              for kind in (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, Trained, Aggregated, Applied,
-                          Synced, SyncFailed, WorkFailed)}
+                          Synced, SyncFailed, WorkFailed, PeerGone)}

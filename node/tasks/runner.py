@@ -28,8 +28,9 @@ from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, Tran
 from protocol.rendezvous import assign_shards
 from protocol.round import Head
 from protocol.task import TASK_MESSAGES, DatasetOffer, TaskSpec, WeightsAnnounce, task_topic
-from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, MakeInitial, Publish,
-                                   RoundClosed, Stage, Synced, SyncFailed, TaskMachine, Train, Trained, WorkFailed)
+from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, MakeInitial, Overdue,
+                                   PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine, Train, Trained,
+                                   WorkFailed)
 
 log = logging.getLogger("shoal.tasks")
 
@@ -201,21 +202,31 @@ class TaskRunner:
         stats = self.node.shardcast.statistics()
         self._bytes_at_start = (stats.bytes_served, stats.bytes_fetched)
         messages = self.node.host.subscribe(self.topic, self.validate)
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._consume, messages)
-            nursery.start_soon(self._announce)
-            task_status.started()
-            try:
-                await self._run_task()
-            except TaskRejected as exc:
-                self.phase, self.detail = "declined", str(exc)
-                log.warning("task %s declined: %s", self.tid[:12], exc)
-            except (TrainerCrashed, TrainerRequestFailed) as exc:
-                self.phase, self.detail = "failed", str(exc)
-                log.error("task %s stopped: %s", self.tid[:12], exc)
-            # Keep answering (spec, weights, shards) so late peers can still sync to the result.
-            await trio.sleep_forever()
+        self.node.membership.gone_listeners.append(self._peer_gone)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._consume, messages)
+                nursery.start_soon(self._announce)
+                task_status.started()
+                try:
+                    await self._run_task()
+                except TaskRejected as exc:
+                    self.phase, self.detail = "declined", str(exc)
+                    log.warning("task %s declined: %s", self.tid[:12], exc)
+                except (TrainerCrashed, TrainerRequestFailed) as exc:
+                    self.phase, self.detail = "failed", str(exc)
+                    log.error("task %s stopped: %s", self.tid[:12], exc)
+                # Keep answering (spec, weights, shards) so late peers can still sync to the result.
+                await trio.sleep_forever()
+        finally:
+            self.node.membership.gone_listeners.remove(self._peer_gone)
+
+    def _peer_gone(self, peer_id: str) -> None:
+        try:
+            self._send.send_nowait(PeerGone(peer_id=peer_id))
+        except trio.WouldBlock:
+            pass  # a full queue: the peer is still found quiet a heartbeat window after its last word
 
     async def _dataset(self) -> Path:
         if self.hf is not None:
@@ -296,6 +307,9 @@ class TaskRunner:
                             e.peer_id, e.weights_hash[:16])
                 self.dissents = (self.dissents + [{"round": e.round, "peer_id": e.peer_id,
                                                    "weights_hash": e.weights_hash}])[-MAX_DISSENTS:]
+            elif isinstance(e, Overdue):
+                log.warning("task %s round %d: %s ran to its deadline waiting for %s", self.tid[:12], e.round,
+                            e.phase, ", ".join(p[-8:] for p in e.peers))
             elif isinstance(e, Finished):
                 log.info("task %s finished: eval losses %s", self.tid[:12],
                          [round(x, 4) for _, x in self.eval_losses])

@@ -15,7 +15,7 @@ from protocol.heard import HeardLog
 from protocol.round import Head
 from protocol.task import TaskJoin, WeightsAnnounce
 from protocol.task_machine import (Aggregate, Aggregated, Applied, Apply, Dissent, FetchState, Finished,
-                                   MakeInitial, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine,
+                                   MakeInitial, PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine,
                                    Train, Trained)
 
 TASK = "ab" * 32
@@ -82,8 +82,12 @@ class Swarm:
         self._heartbeat(only=name)
         self.handle(name, m.start(saved, self.now))
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str, *, sockets_close: bool = False) -> None:
+        """``sockets_close``: every other node sees its connections to the victim close (PeerGone) at once."""
         self.dead.add(name)
+        if sockets_close:
+            for n in self.alive():
+                self.local(n, PeerGone(peer_id=name))
         # Work the dead process had under way never finishes, even if it is restarted before it would have.
         self.later = [item for item in self.later if item[2] != name]
         heapq.heapify(self.later)

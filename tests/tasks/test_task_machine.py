@@ -6,8 +6,8 @@ import pytest
 
 from protocol.round import aggregators
 from protocol.task import UpdateAnnounce, WeightsAnnounce
-from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Phase, Publish,
-                                   RoundClosed, Stage, TaskMachine)
+from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Overdue, Phase,
+                                   Publish, RoundClosed, Stage, TaskMachine)
 from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, TRAIN_SHARE, Swarm, h
 
 
@@ -510,3 +510,30 @@ def test_a_node_restarted_from_older_weights_is_told_the_swarms_at_once_and_trai
                and isinstance(e.message, WeightsAnnounce)]
     assert 1 <= len(answers) <= 2, "two members answer a join, not every member"
     assert sim.now - restarted_at < HEARTBEAT_S
+
+
+def test_a_member_whose_connections_close_mid_round_is_not_waited_for_a_quiet_window():
+    def round_with_a_kill(sockets_close: bool) -> float:
+        sim = TimedSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+        sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+        m = sim.machines["a"]
+        sim.run_until(lambda: m.rounds_seen[m.current].phase is Phase.TRAINING, 30, step_s=0.05)
+        r = m.current
+        sim.advance(TRAIN_S - 0.2)
+        sim.kill("d", sockets_close=sockets_close)  # just before its update: the others wait for it
+        sim.run_until(lambda: r in sim.closed_at, 30, step_s=0.05)
+        assert not sim.disagreements()
+        return sim.closed_at[r] - sim.closed_at[r - 1]
+
+    assert round_with_a_kill(sockets_close=True) <= TRAIN_S + 0.1
+    # Without the closed connections it goes quiet a window after its last heartbeat, which came <= 1 s before.
+    assert round_with_a_kill(sockets_close=False) >= TRAIN_S - 0.2 + QUIET_S - HEARTBEAT_S
+
+
+def test_a_phase_that_runs_to_its_deadline_names_the_live_peers_it_waited_for():
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=6, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 2, 60)
+    sim.apply_s = {"d": DEADLINE_S + 5}  # d stays live but votes only after the others' deadline
+    sim.run_until(lambda: any(isinstance(e, Overdue) for _, e in sim.events), DEADLINE_S + 30, step_s=0.5)
+    overdue = {(n, e.phase, e.peers) for n, e in sim.events if isinstance(e, Overdue)}
+    assert overdue == {(n, "voting", ("d",)) for n in "abc"}, overdue
