@@ -69,12 +69,14 @@ def best_head(heads) -> Head | None:
 def vote(mine: Head, others: dict[str, WeightsAnnounce]) -> tuple[str, int, int]:
     """(winning weights hash, votes for it, votes against) among one round's announcements and ours.
 
-    Groups by hash; the group whose history has more work wins, then the larger group, then the
-    smaller hash (only ever between groups equal in both).
+    Groups by hash; the larger group wins, then the group whose history claims more work, then the
+    smaller hash (only ever between groups equal in both). Every voter applied the round to the same
+    weights, so the work each claims is its own word: ranked first, one node claiming an aggregate
+    that covers one more producer (or lying about it) would outvote all the others.
     """
     votes = Counter(w.weights_hash for w in others.values())
     votes[mine.weights_hash] += 1
     work = {w.weights_hash: w.work for w in others.values()}
     work[mine.weights_hash] = mine.work
-    winner = min(votes, key=lambda h: (-work[h], -votes[h], h))
+    winner = min(votes, key=lambda h: (-votes[h], -work[h], h))
     return winner, votes[winner], sum(votes.values()) - votes[winner]

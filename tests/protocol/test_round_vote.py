@@ -1,0 +1,30 @@
+"""The round vote: the larger group wins; claimed work and then the hash only break ties."""
+
+from protocol.round import Head, vote
+from protocol.task import WeightsAnnounce
+
+TASK = "ab" * 32
+X, Y = "11" * 32, "22" * 32
+
+
+def announce(peer: str, weights: str, work: int) -> WeightsAnnounce:
+    return WeightsAnnounce(task_id=TASK, round=5, peer_id=peer, weights_hash=weights, state_hash=weights,
+                           state_manifest="33" * 32, eval_loss=1.0, work=work)
+
+
+def test_one_node_claiming_more_work_does_not_outvote_the_others():
+    mine = Head(round=6, weights_hash=X, state_hash=X, work=40)
+    others = {"b": announce("b", X, 40), "c": announce("c", X, 40), "d": announce("d", Y, 41)}
+    assert vote(mine, others) == (X, 3, 1)
+    # Even a claim of far more work: the work in a WeightsAnnounce is the voter's own word.
+    others["d"] = announce("d", Y, 10**9)
+    assert vote(mine, others) == (X, 3, 1)
+
+
+def test_equal_groups_are_decided_by_work_then_by_the_smaller_hash():
+    mine = Head(round=6, weights_hash=Y, state_hash=Y, work=41)
+    others = {"b": announce("b", X, 40), "c": announce("c", X, 40), "d": announce("d", Y, 41)}
+    assert vote(mine, others) == (Y, 2, 2)
+    others["d"] = announce("d", Y, 40)
+    mine = Head(round=6, weights_hash=Y, state_hash=Y, work=40)
+    assert vote(mine, others) == (X, 2, 2)
