@@ -26,10 +26,20 @@ def aggregators(task_id: str, r: int, slice_index: int, members, k: int) -> tupl
     return _aggregators(task_id, r, slice_index, tuple(sorted(members)), k)
 
 
-def choose_aggregate(candidates) -> AggregateAnnounce:
+def choose_aggregate(candidates, held=None) -> AggregateAnnounce:
     """Most producers covered wins; aggregation is deterministic, so equal coverage means equal bytes
-    from honest aggregators, and the smaller hash only breaks ties between liars."""
-    return min(candidates, key=lambda m: (-len(m.included), m.result_hash))
+    from honest aggregators, and the smaller hash only breaks ties between liars.
+
+    ``held``: the producers whose updates this node holds. Only those count as covered, and between
+    equal coverage the aggregate listing fewer others wins: an aggregator that lists an invented
+    producer gains nothing by it (it used to win every slice it aggregated)."""
+    if held is None:
+        return min(candidates, key=lambda m: (-len(m.included), m.result_hash))
+
+    def rank(m: AggregateAnnounce) -> tuple:
+        known = sum(1 for p in m.included if p in held)
+        return -known, len(m.included) - known, m.result_hash
+    return min(candidates, key=rank)
 
 
 def round_work(chosen: tuple[AggregateAnnounce, ...]) -> int:

@@ -1044,7 +1044,7 @@ class TaskMachine:
             if not got:
                 complete = False
                 continue
-            best = choose_aggregate(got.values())
+            best = choose_aggregate(got.values(), collected)
             chosen.append(best)
             # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
             # so the slice need not wait for the other aggregators.

@@ -1,4 +1,4 @@
-"""The round vote: the larger group wins; claimed work and then the hash only break ties."""
+"""The round vote and the chosen aggregate: what one peer claims alone decides neither."""
 
 from protocol.round import Head, vote
 from protocol.task import WeightsAnnounce
@@ -28,3 +28,20 @@ def test_equal_groups_are_decided_by_work_then_by_the_smaller_hash():
     others["d"] = announce("d", Y, 40)
     mine = Head(round=6, weights_hash=Y, state_hash=Y, work=40)
     assert vote(mine, others) == (X, 2, 2)
+
+
+def test_an_aggregate_listing_a_producer_nobody_holds_gains_nothing_by_it():
+    from protocol.round import choose_aggregate
+    from protocol.task import AggregateAnnounce
+
+    def agg(aggregator, included, result):
+        return AggregateAnnounce(task_id=TASK, round=5, slice=0, aggregator=aggregator, included=tuple(sorted(included)),
+                                 manifest_id=result, result_hash=result)
+
+    honest = agg("a", ["p", "q", "r"], "ff" * 32)
+    liar = agg("z", ["p", "q", "r", "invented"], "00" * 32)
+    assert choose_aggregate([honest, liar]) is liar  # counted blindly, the invented producer won the slice
+    assert choose_aggregate([honest, liar], held={"p", "q", "r"}) is honest
+    # An aggregate with an update this node missed still beats one without it when nothing else differs.
+    fuller = agg("b", ["p", "q", "r", "s"], "ee" * 32)
+    assert choose_aggregate([honest, fuller], held={"p", "q", "r", "s"}) is fuller
