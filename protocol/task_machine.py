@@ -233,6 +233,18 @@ class Dissent:
 
 
 @dataclass(frozen=True, slots=True)
+class Lied:
+    """``aggregator`` signed a result for these updates that differs from this node's recomputation.
+
+    Aggregation is deterministic, so the signed AggregateAnnounce is the proof: ban the signer."""
+
+    round: int
+    slice: int
+    aggregator: str
+    result_hash: str
+
+
+@dataclass(frozen=True, slots=True)
 class Overdue:
     """A phase of round ``round`` ran to its deadline still waiting for these live peers (for operators)."""
 
@@ -246,7 +258,8 @@ class Finished:
     round: int
 
 
-Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Overdue | Finished
+Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Lied | Overdue \
+    | Finished
 
 
 _WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed)
@@ -278,6 +291,12 @@ class RoundState:
     updated_of: list[str] | None = None
     updated: int = 0
     """How many of the members list ``updated_of``, from the first, have sent their update."""
+    verifying: set[int] = field(default_factory=set)
+    """Slices whose aggregators disagreed: this node recomputes them and applies only its own result."""
+    liars: set[str] = field(default_factory=set)
+    """Aggregators whose signed result differs from ours over the same updates: never chosen."""
+    covered_at: dict[int, float] = field(default_factory=dict)
+    """Per slice, when an aggregate over every update this node holds first arrived."""
 
 
 @dataclass(kw_only=True)
@@ -558,6 +577,7 @@ class TaskMachine:
                 waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
+                times += [t + self.quiet_after_s for t in rec.covered_at.values()]
                 if rec.republish_at is not None:
                     times.append(rec.republish_at)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
@@ -1036,28 +1056,55 @@ class TaskMachine:
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
-        eligible = set(rec.members)
-        chosen, complete = [], True
+        eligible = set(rec.members) | {self.self_id}
+        chosen, complete, checks = [], True, []
         for s in range(self.num_slices):
             expected = rec.aggregators.get(s, ())
-            got = {a: m for a, m in rec.aggregates.get(s, {}).items() if a in expected or a in eligible}
+            got = {a: m for a, m in rec.aggregates.get(s, {}).items()
+                   if (a in expected or a in eligible) and a not in rec.liars}
             if not got:
                 complete = False
                 continue
+            disputed = s in rec.verifying or _disputed(got.values())
+            if disputed:
+                # Two signed results over the same updates: aggregation is deterministic, so one of them
+                # lies. Recompute the slice and apply only our own result; whoever signed another is banned.
+                own = got.get(self.self_id)
+                if own is None:
+                    if s not in rec.verifying:
+                        rec.verifying.add(s)
+                        inputs = max((m.included for m in got.values() if set(m.included) <= collected),
+                                     key=len, default=tuple(sorted(collected)))
+                        checks.append(Aggregate(rec.index, s, tuple(rec.updates[p] for p in inputs)))
+                    complete = False
+                    continue
+                for a, m in sorted(got.items()):
+                    if a != self.self_id and m.included == own.included and m.result_hash != own.result_hash:
+                        rec.liars.add(a)
+                        checks.append(Lied(rec.index, s, a, m.result_hash))
+                chosen.append(own)
+                continue
             best = choose_aggregate(got.values(), collected)
             chosen.append(best)
-            # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
-            # so the slice need not wait for the other aggregators.
-            if not collected <= set(best.included) and any(
-                    a not in got and self._owes(a, rec, now) for a in expected):
+            # Aggregation is deterministic: an aggregate over every update we hold cannot be bettered, so
+            # once a second aggregator signed the same result the slice need not wait for the others. One
+            # alone waits a quiet window for another that owes its result and may contradict it (a forger
+            # that answers first would otherwise win); members' views of the aggregators can differ, so
+            # never longer.
+            full = collected <= set(best.included)
+            if full:
+                rec.covered_at.setdefault(s, now)
+            agreeing = sum(1 for m in got.values() if m.result_hash == best.result_hash)
+            if any(a not in got and self._owes(a, rec, now) for a in expected) and not (
+                    full and (agreeing >= 2 or now >= rec.covered_at[s] + self.quiet_after_s)):
                 complete = False
         if not complete and now < rec.collected_at + self.round_deadline_s:
             # An aggregator still collecting may have lost our update, and a member our aggregate.
-            return self._regossip(rec, now)
+            return checks + self._regossip(rec, now)
         self._move(rec, "gathered")
         late = tuple(sorted({a for s in range(self.num_slices) for a in rec.aggregators.get(s, ())
                              if a not in rec.aggregates.get(s, {}) and self._owes(a, rec, now)}))
-        overdue = [Overdue(rec.index, "gathering", late)] if not complete and late else []
+        overdue = checks + ([Overdue(rec.index, "gathering", late)] if not complete and late else [])
         if len(chosen) < self.num_slices:
             rec.chosen = ()
             missing = self.num_slices - len(chosen)
@@ -1118,6 +1165,12 @@ class TaskMachine:
         latest = sorted(self.latest.values(), key=lambda w: (-w.round, w.peer_id))[:limit]
         return {w.peer_id: {"round": w.round, "eval_loss": w.eval_loss, "train_share": w.train_share}
                 for w in latest}
+
+
+def _disputed(aggregates) -> bool:
+    """Two aggregates over the same producers with different results (one of them is a lie)."""
+    seen: dict[tuple[str, ...], str] = {}
+    return any(seen.setdefault(m.included, m.result_hash) != m.result_hash for m in aggregates)
 
 
 _HANDLERS = {kind: getattr(TaskMachine, f"_on_{kind.__name__}")

@@ -537,3 +537,20 @@ def test_a_phase_that_runs_to_its_deadline_names_the_live_peers_it_waited_for():
     sim.run_until(lambda: any(isinstance(e, Overdue) for _, e in sim.events), DEADLINE_S + 30, step_s=0.5)
     overdue = {(n, e.phase, e.peers) for n, e in sim.events if isinstance(e, Overdue)}
     assert overdue == {(n, "voting", ("d",)) for n in "abc"}, overdue
+
+
+def test_an_aggregator_that_signs_a_forged_result_is_caught_never_applied_and_named_by_every_honest_node():
+    from protocol.task_machine import Lied
+    sim = TimedSwarm(["a", "b", "c", "d", "e"], rounds=6, slices=4, k=2, min_members=3)
+    sim.forge = {"d"}
+    sim.run_until(sim.all_done, 300)
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+    # d's own machine is honest, but its recomputations are forged too, so it accuses the others: ignored here.
+    forged = {e.aggregator for n, e in sim.events if isinstance(e, Lied) and n != "d"}
+    assert forged == {"d"}, forged
+    named_by = {n for n, e in sim.events if isinstance(e, Lied) and n != "d"}
+    assert named_by == {"a", "b", "c", "e"}
+    applied = [c for n, e in sim.events if isinstance(e, Apply) for c in e.chosen]
+    assert applied and all(c.aggregator != "d" for c in applied), "a forged aggregate was applied"
+    # Only on d: its own recomputations are forged too, so it takes every honest aggregator for a liar.
+    assert not [e for n, e in sim.events if isinstance(e, Apply) and not e.chosen and n != "d"], "a round failed"
