@@ -7,6 +7,7 @@ itself. Each guard names the library behaviour it answers. Every offence is repo
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from typing import Any, Callable
@@ -276,6 +277,22 @@ def _control_entries(rpc: Any) -> int:
     return len(c.ihave) + len(c.iwant) + len(c.graft) + len(c.prune) + ids
 
 
+async def _teardown_if_connected(pubsub: Any, peer_id: Any) -> None:
+    """py-libp2p 0.8.1's blacklist teardown, made safe: it resets the peer's pubsub stream and then deleted
+    the peer from ``pubsub.peers`` without looking. The disconnect that follows a ban (or the connection's
+    own close) removes it while the reset is under way, and the KeyError ended the Pubsub service, so
+    banning a peer we gossip with stopped the node."""
+    stream = pubsub.peers.get(peer_id)
+    if stream is not None:
+        try:
+            await stream.reset()
+        except Exception:
+            pass  # the stream is being dropped either way
+        if pubsub.peers.get(peer_id) is stream:
+            del pubsub.peers[peer_id]
+    pubsub._forget_all_subscriptions(peer_id)
+
+
 class PeerGate:
     """Refuses connections from blocked peers, in both directions, before anything runs on them.
 
@@ -311,6 +328,7 @@ class PeerGate:
             return await inner(muxed_conn, direction)
 
         swarm.add_conn = add_conn
+        pubsub._teardown_if_connected = functools.partial(_teardown_if_connected, pubsub)
 
     def block(self, peer_id: str, duration_s: float) -> None:
         self._blocked_until[peer_id] = trio.current_time() + duration_s

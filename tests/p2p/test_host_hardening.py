@@ -155,3 +155,49 @@ async def test_a_restarted_host_with_the_same_key_is_heard_at_once_after_a_burst
                                         pass
                                     break
                 await wait_until(lambda: b.peer_id not in a.connected_peers(), timeout_s=10)
+
+
+async def test_banning_a_peer_we_gossip_with_leaves_our_gossip_running():
+    # py-libp2p's blacklist teardown resets the banned peer's pubsub stream and then deletes it from
+    # its peer table without looking; the disconnect that follows a ban removes it first, and the
+    # KeyError ended the Pubsub service: banning any gossiping peer stopped the node.
+    topic = "shoal-test/ban"
+    with trio.fail_after(60):
+        async with open_host(fresh_keypair(), make_config()) as a, \
+                open_host(fresh_keypair(), make_config()) as evil, \
+                open_host(fresh_keypair(), make_config()) as c:
+            received = c.subscribe(topic, None)
+            for h in (a, evil):
+                h.subscribe(topic, None)
+            await connect(evil, a)
+            await connect(c, a)
+            await a.wait_for_topic_peer(topic, evil.peer_id)
+            await a.wait_for_topic_peer(topic, c.peer_id)
+            await a.block_peer(evil.peer_id, 300)
+            await wait_until(lambda: evil.peer_id not in a.connected_peers(), timeout_s=10)
+            await trio.sleep(0.5)  # the teardown task has run
+            with trio.fail_after(10):
+                while True:
+                    await a.publish(topic, b"still here")
+                    with trio.move_on_after(0.5):
+                        assert (await received.receive()).data == b"still here"
+                        break
+
+
+async def test_the_blacklist_teardown_survives_the_peer_being_dropped_while_its_stream_resets():
+    # The interleaving the node hit (the test above may not): the peer leaves pubsub's table while the
+    # teardown awaits the stream's reset.
+    async with open_host(fresh_keypair(), make_config()) as a:
+        pubsub = a._pubsub
+        pid = ID.from_base58(fresh_keypair().peer_id)
+
+        class SlowStream:
+            async def reset(self):
+                await trio.sleep(0.05)
+
+        pubsub.peers[pid] = SlowStream()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pubsub._teardown_if_connected, pid)
+            await trio.sleep(0.01)
+            del pubsub.peers[pid]  # the disconnect got there first
+        assert pid not in pubsub.peers
