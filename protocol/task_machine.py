@@ -233,6 +233,14 @@ class Dissent:
 
 
 @dataclass(frozen=True, slots=True)
+class Equivocated:
+    """``producer`` signed two different updates for ``round``: the two messages are the proof."""
+
+    round: int
+    producer: str
+
+
+@dataclass(frozen=True, slots=True)
 class Lied:
     """``aggregator`` signed a result for these updates that differs from this node's recomputation.
 
@@ -258,8 +266,8 @@ class Finished:
     round: int
 
 
-Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Lied | Overdue \
-    | Finished
+Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Lied \
+    | Equivocated | Overdue | Finished
 
 
 _WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed)
@@ -295,6 +303,10 @@ class RoundState:
     """Slices whose aggregators disagreed: this node recomputes them and applies only its own result."""
     liars: set[str] = field(default_factory=set)
     """Aggregators whose signed result differs from ours over the same updates: never chosen."""
+    equivocators: set[str] = field(default_factory=set)
+    """Producers that signed two different updates for this round without joining again in between."""
+    update_at: dict[str, float] = field(default_factory=dict)
+    """When each producer's update was taken: a join after it is a new incarnation, not equivocation."""
     covered_at: dict[int, float] = field(default_factory=dict)
     """Per slice, when an aggregate over every update this node holds first arrived."""
 
@@ -628,6 +640,13 @@ class TaskMachine:
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.producer, now)
+        prev = rec.updates.get(msg.producer) if rec is not None else None
+        if prev is not None and prev != msg and msg.producer not in rec.equivocators \
+                and self._joined_at.get(msg.producer, float("-inf")) <= rec.update_at.get(msg.producer, 0.0):
+            # Two signed updates for one round from one incarnation: aggregators that took different ones
+            # would disagree over the same producers, and the honest one would be taken for a liar.
+            rec.equivocators.add(msg.producer)
+            return [Equivocated(rec.index, msg.producer)]
         if rec is None or (rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING)):
             self.dropped["late_update"] += 1
             return []
@@ -639,6 +658,7 @@ class TaskMachine:
             return []
         if msg.producer not in rec.updates:
             rec.updates[msg.producer] = msg
+            rec.update_at[msg.producer] = now
             cached = self._members_cache.get(rec.index)
             if cached is not None and msg.producer not in cached[1]:
                 del self._members_cache[rec.index]
@@ -1018,7 +1038,7 @@ class TaskMachine:
         rec.collected_at = now
         rec.members = tuple(sorted(set(members) | set(rec.updates)))
         pool = [p for p in members if self.live(p, now)]
-        updates = tuple(rec.updates[p] for p in sorted(rec.updates))
+        updates = tuple(rec.updates[p] for p in sorted(rec.updates) if p not in rec.equivocators)
         effects: list[Effect] = [o for o in overdue if o.peers]
         for s in range(self.num_slices):
             rec.aggregators[s] = aggregators(self.task_id, rec.index, s, pool, self.aggregators_per_slice)
@@ -1075,11 +1095,14 @@ class TaskMachine:
                         rec.verifying.add(s)
                         inputs = max((m.included for m in got.values() if set(m.included) <= collected),
                                      key=len, default=tuple(sorted(collected)))
-                        checks.append(Aggregate(rec.index, s, tuple(rec.updates[p] for p in inputs)))
+                        checks.append(Aggregate(rec.index, s, tuple(rec.updates[p] for p in inputs
+                                                                    if p not in rec.equivocators)))
                     complete = False
                     continue
                 for a, m in sorted(got.items()):
-                    if a != self.self_id and m.included == own.included and m.result_hash != own.result_hash:
+                    # Over an equivocator's update two honest aggregators can differ: nobody is accused.
+                    if a != self.self_id and m.included == own.included and m.result_hash != own.result_hash \
+                            and not rec.equivocators & set(own.included):
                         rec.liars.add(a)
                         checks.append(Lied(rec.index, s, a, m.result_hash))
                 chosen.append(own)

@@ -554,3 +554,37 @@ def test_an_aggregator_that_signs_a_forged_result_is_caught_never_applied_and_na
     assert applied and all(c.aggregator != "d" for c in applied), "a forged aggregate was applied"
     # Only on d: its own recomputations are forged too, so it takes every honest aggregator for a liar.
     assert not [e for n, e in sim.events if isinstance(e, Apply) and not e.chosen and n != "d"], "a round failed"
+
+
+class EquivocatingSwarm(TimedSwarm):
+    """``cheat`` sends a second, different update for every round it trains, to half the swarm first."""
+
+    def __init__(self, *args, cheat, **kwargs):
+        self.cheat = cheat
+        super().__init__(*args, **kwargs)
+
+    def broadcast(self, sender, msg) -> None:
+        if sender == self.cheat and isinstance(msg, UpdateAnnounce):
+            import dataclasses
+            other = dataclasses.replace(msg, manifest_ids=tuple(h("other", m) for m in msg.manifest_ids))
+            names = sorted(n for n in self.machines if n != sender)
+            half = names[: len(names) // 2]
+            self.queue.append(("msg", sender, msg, self.group[sender], half))
+            self.queue.append(("msg", sender, other, self.group[sender], [n for n in names if n not in half]))
+            self.queue.append(("msg", sender, other, self.group[sender], half))
+            self.queue.append(("msg", sender, msg, self.group[sender], [n for n in names if n not in half]))
+            return
+        super().broadcast(sender, msg)
+
+
+def test_a_producer_that_signs_two_updates_for_a_round_is_caught_and_no_honest_aggregator_is_accused():
+    from protocol.task_machine import Equivocated, Lied
+    sim = EquivocatingSwarm(["a", "b", "c", "d", "e"], rounds=5, slices=4, k=2, min_members=3, cheat="d")
+    sim.run_until(sim.all_done, 300)
+    honest = {"a", "b", "c", "e"}
+    caught = {(n, e.producer) for n, e in sim.events if isinstance(e, Equivocated)}
+    assert {n for n, p in caught if p == "d"} == honest and {p for _, p in caught} == {"d"}
+    assert not [e for n, e in sim.events if isinstance(e, Lied) and n in honest], "an honest aggregator was accused"
+    # Aggregators that took different versions disagree over the same producers; each honest node then
+    # recomputes without the equivocator, so they still agree (in a node the ban then drops it for good).
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
