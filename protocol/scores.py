@@ -15,8 +15,6 @@ PENALTIES = {
     "protocol_violation": 15.0,
     "handler_error": 5.0,
     "wrong_weights": 50.0,
-    "false_aggregate": 100.0,  # a signed aggregate its own inputs contradict: proof enough to ban at once
-    "equivocation": 100.0,  # two signed updates for one round from one process: the pair is the proof
     # Refused inside the libp2p host (p2p.guards), below our own handlers.
     "gossip_rpc_malformed": 20.0,
     "gossip_rpc_oversize": 20.0,

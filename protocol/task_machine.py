@@ -233,26 +233,6 @@ class Dissent:
 
 
 @dataclass(frozen=True, slots=True)
-class Equivocated:
-    """``producer`` signed two different updates for ``round``: the two messages are the proof."""
-
-    round: int
-    producer: str
-
-
-@dataclass(frozen=True, slots=True)
-class Lied:
-    """``aggregator`` signed a result for these updates that differs from this node's recomputation.
-
-    Aggregation is deterministic, so the signed AggregateAnnounce is the proof: ban the signer."""
-
-    round: int
-    slice: int
-    aggregator: str
-    result_hash: str
-
-
-@dataclass(frozen=True, slots=True)
 class Overdue:
     """A phase of round ``round`` ran to its deadline still waiting for these live peers (for operators)."""
 
@@ -266,8 +246,7 @@ class Finished:
     round: int
 
 
-Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Lied \
-    | Equivocated | Overdue | Finished
+Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Overdue | Finished
 
 
 _WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed)
@@ -299,16 +278,6 @@ class RoundState:
     updated_of: list[str] | None = None
     updated: int = 0
     """How many of the members list ``updated_of``, from the first, have sent their update."""
-    verifying: set[int] = field(default_factory=set)
-    """Slices whose aggregators disagreed: this node recomputes them and applies only its own result."""
-    liars: set[str] = field(default_factory=set)
-    """Aggregators whose signed result differs from ours over the same updates: never chosen."""
-    equivocators: set[str] = field(default_factory=set)
-    """Producers that signed two different updates for this round without joining again in between."""
-    update_at: dict[str, float] = field(default_factory=dict)
-    """When each producer's update was taken: a join after it is a new incarnation, not equivocation."""
-    covered_at: dict[int, float] = field(default_factory=dict)
-    """Per slice, when an aggregate over every update this node holds first arrived."""
 
 
 @dataclass(kw_only=True)
@@ -589,7 +558,6 @@ class TaskMachine:
                 waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
-                times += [t + self.quiet_after_s for t in rec.covered_at.values()]
                 if rec.republish_at is not None:
                     times.append(rec.republish_at)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
@@ -640,13 +608,6 @@ class TaskMachine:
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.producer, now)
-        prev = rec.updates.get(msg.producer) if rec is not None else None
-        if prev is not None and prev != msg and msg.producer not in rec.equivocators \
-                and self._joined_at.get(msg.producer, float("-inf")) <= rec.update_at.get(msg.producer, 0.0):
-            # Two signed updates for one round from one incarnation: aggregators that took different ones
-            # would disagree over the same producers, and the honest one would be taken for a liar.
-            rec.equivocators.add(msg.producer)
-            return [Equivocated(rec.index, msg.producer)]
         if rec is None or (rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING)):
             self.dropped["late_update"] += 1
             return []
@@ -658,7 +619,6 @@ class TaskMachine:
             return []
         if msg.producer not in rec.updates:
             rec.updates[msg.producer] = msg
-            rec.update_at[msg.producer] = now
             cached = self._members_cache.get(rec.index)
             if cached is not None and msg.producer not in cached[1]:
                 del self._members_cache[rec.index]
@@ -1038,7 +998,7 @@ class TaskMachine:
         rec.collected_at = now
         rec.members = tuple(sorted(set(members) | set(rec.updates)))
         pool = [p for p in members if self.live(p, now)]
-        updates = tuple(rec.updates[p] for p in sorted(rec.updates) if p not in rec.equivocators)
+        updates = tuple(rec.updates[p] for p in sorted(rec.updates))
         effects: list[Effect] = [o for o in overdue if o.peers]
         for s in range(self.num_slices):
             rec.aggregators[s] = aggregators(self.task_id, rec.index, s, pool, self.aggregators_per_slice)
@@ -1076,58 +1036,28 @@ class TaskMachine:
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
-        eligible = set(rec.members) | {self.self_id}
-        chosen, complete, checks = [], True, []
+        eligible = set(rec.members)
+        chosen, complete = [], True
         for s in range(self.num_slices):
             expected = rec.aggregators.get(s, ())
-            got = {a: m for a, m in rec.aggregates.get(s, {}).items()
-                   if (a in expected or a in eligible) and a not in rec.liars}
+            got = {a: m for a, m in rec.aggregates.get(s, {}).items() if a in expected or a in eligible}
             if not got:
                 complete = False
                 continue
-            disputed = s in rec.verifying or _disputed(got.values())
-            if disputed:
-                # Two signed results over the same updates: aggregation is deterministic, so one of them
-                # lies. Recompute the slice and apply only our own result; whoever signed another is banned.
-                own = got.get(self.self_id)
-                if own is None:
-                    if s not in rec.verifying:
-                        rec.verifying.add(s)
-                        inputs = max((m.included for m in got.values() if set(m.included) <= collected),
-                                     key=len, default=tuple(sorted(collected)))
-                        checks.append(Aggregate(rec.index, s, tuple(rec.updates[p] for p in inputs
-                                                                    if p not in rec.equivocators)))
-                    complete = False
-                    continue
-                for a, m in sorted(got.items()):
-                    # Over an equivocator's update two honest aggregators can differ: nobody is accused.
-                    if a != self.self_id and m.included == own.included and m.result_hash != own.result_hash \
-                            and not rec.equivocators & set(own.included):
-                        rec.liars.add(a)
-                        checks.append(Lied(rec.index, s, a, m.result_hash))
-                chosen.append(own)
-                continue
             best = choose_aggregate(got.values(), collected)
             chosen.append(best)
-            # Aggregation is deterministic: an aggregate over every update we hold cannot be bettered, so
-            # once a second aggregator signed the same result the slice need not wait for the others. One
-            # alone waits a quiet window for another that owes its result and may contradict it (a forger
-            # that answers first would otherwise win); members' views of the aggregators can differ, so
-            # never longer.
-            full = collected <= set(best.included)
-            if full:
-                rec.covered_at.setdefault(s, now)
-            agreeing = sum(1 for m in got.values() if m.result_hash == best.result_hash)
-            if any(a not in got and self._owes(a, rec, now) for a in expected) and not (
-                    full and (agreeing >= 2 or now >= rec.covered_at[s] + self.quiet_after_s)):
+            # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
+            # so the slice need not wait for the other aggregators.
+            if not collected <= set(best.included) and any(
+                    a not in got and self._owes(a, rec, now) for a in expected):
                 complete = False
         if not complete and now < rec.collected_at + self.round_deadline_s:
             # An aggregator still collecting may have lost our update, and a member our aggregate.
-            return checks + self._regossip(rec, now)
+            return self._regossip(rec, now)
         self._move(rec, "gathered")
         late = tuple(sorted({a for s in range(self.num_slices) for a in rec.aggregators.get(s, ())
                              if a not in rec.aggregates.get(s, {}) and self._owes(a, rec, now)}))
-        overdue = checks + ([Overdue(rec.index, "gathering", late)] if not complete and late else [])
+        overdue = [Overdue(rec.index, "gathering", late)] if not complete and late else []
         if len(chosen) < self.num_slices:
             rec.chosen = ()
             missing = self.num_slices - len(chosen)
@@ -1188,12 +1118,6 @@ class TaskMachine:
         latest = sorted(self.latest.values(), key=lambda w: (-w.round, w.peer_id))[:limit]
         return {w.peer_id: {"round": w.round, "eval_loss": w.eval_loss, "train_share": w.train_share}
                 for w in latest}
-
-
-def _disputed(aggregates) -> bool:
-    """Two aggregates over the same producers with different results (one of them is a lie)."""
-    seen: dict[tuple[str, ...], str] = {}
-    return any(seen.setdefault(m.included, m.result_hash) != m.result_hash for m in aggregates)
 
 
 _HANDLERS = {kind: getattr(TaskMachine, f"_on_{kind.__name__}")

@@ -28,9 +28,9 @@ from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, Tran
 from protocol.rendezvous import assign_shards
 from protocol.round import Head
 from protocol.task import TASK_MESSAGES, DatasetOffer, TaskSpec, WeightsAnnounce, task_topic
-from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, Equivocated, FetchState, Finished, Lied,
-                                   MakeInitial, Overdue, PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed,
-                                   TaskMachine, Train, Trained, WorkFailed)
+from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, MakeInitial, Overdue,
+                                   PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine, Train, Trained,
+                                   WorkFailed)
 
 log = logging.getLogger("shoal.tasks")
 
@@ -307,14 +307,6 @@ class TaskRunner:
                             e.peer_id, e.weights_hash[:16])
                 self.dissents = (self.dissents + [{"round": e.round, "peer_id": e.peer_id,
                                                    "weights_hash": e.weights_hash}])[-MAX_DISSENTS:]
-            elif isinstance(e, Lied):
-                log.warning("task %s round %d slice %d: aggregator %s signed result %s, which its inputs do not "
-                            "give; banning it", self.tid[:12], e.round, e.slice, e.aggregator, e.result_hash[:16])
-                self.node.membership.penalize(e.aggregator, "false_aggregate")
-            elif isinstance(e, Equivocated):
-                log.warning("task %s round %d: producer %s signed two different updates; banning it", self.tid[:12],
-                            e.round, e.producer)
-                self.node.membership.penalize(e.producer, "equivocation")
             elif isinstance(e, Overdue):
                 log.warning("task %s round %d: %s ran to its deadline waiting for %s", self.tid[:12], e.round,
                             e.phase, ", ".join(p[-8:] for p in e.peers))

@@ -53,8 +53,6 @@ class Swarm:
         self.dead: set[str] = set()
         self.lie = set(lie)
         self.mute: set[str] = set()
-        self.forge: set[str] = set()
-        """Aggregators that sign a result other than the one their inputs give."""
         self.saved: dict[str, Head] = {}
         self.history: dict[str, dict[int, str]] = {}
         self.closed: list[tuple[str, RoundClosed]] = []
@@ -152,8 +150,6 @@ class Swarm:
             elif isinstance(e, Aggregate) and name not in self.mute:
                 included = tuple(u.producer for u in e.updates)
                 result = h("agg", e.round, e.slice, tuple((u.producer, u.manifest_ids[e.slice]) for u in e.updates))
-                if name in self.forge:
-                    result = h("forged", result)
                 self.local(name, Aggregated(round=e.round, slice=e.slice, included=included, manifest_id=result,
                                             result_hash=result))
             elif isinstance(e, Apply):
