@@ -13,7 +13,6 @@ from typing import Any
 
 import multiaddr
 import trio
-from libp2p.abc import INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -25,6 +24,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2p import autonat
 from p2p.api import HostConfig, Reachability
+from p2p.notifee import ConnectionEvents
 
 log = logging.getLogger("shoal.nat")
 
@@ -55,21 +55,6 @@ def is_relayed_stream(raw_stream: Any) -> bool:
         return any("/p2p-circuit" in str(a) for a in raw_stream.muxed_conn.get_transport_addresses())
     except Exception:
         return False
-
-
-class _Wake(INotifee):
-    """Wakes the checker when a peer connects."""
-
-    def __init__(self, nat: NatService):
-        self._nat = nat
-
-    async def opened_stream(self, network: Any, stream: Any) -> None: ...
-    async def closed_stream(self, network: Any, stream: Any) -> None: ...
-    async def connected(self, network: Any, conn: Any) -> None:
-        self._nat.peer_connected.set()
-    async def disconnected(self, network: Any, conn: Any) -> None: ...
-    async def listen(self, network: Any, multiaddr: Any) -> None: ...
-    async def listen_close(self, network: Any, multiaddr: Any) -> None: ...
 
 
 class NatService:
@@ -117,7 +102,7 @@ class NatService:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_stream_handler(TProtocol(autonat.PROTOCOL), self._guard(self._serve_autonat))
         self._host.set_stream_handler(STOP_PROTOCOL_ID, self._guard(self.protocol._handle_stop_stream))
-        self._host.get_network().register_notifee(_Wake(self))
+        self._host.get_network().register_notifee(ConnectionEvents(on_connected=lambda conn: self.peer_connected.set()))
         async with background_trio_service(self.protocol), background_trio_service(self.dcutr), \
                 trio.open_nursery() as nursery:
             self._nursery = nursery

@@ -991,15 +991,14 @@ class TaskMachine:
             # update in the air so the round can close the moment the others are back.
             self.detail = f"round {rec.index}: {len(rec.updates)}/{self.min_members} updates, waiting for members"
             return self._regossip(rec, now)
-        overdue = [] if everyone else [Overdue(rec.index, "collecting", tuple(
-            p for p in members if p not in rec.updates and self.live(p, now)))]
+        late = () if everyone else tuple(p for p in members if p not in rec.updates and self.live(p, now))
         self._move(rec, "collected")
         self.detail = ""
         rec.collected_at = now
         rec.members = tuple(sorted(set(members) | set(rec.updates)))
         pool = [p for p in members if self.live(p, now)]
         updates = tuple(rec.updates[p] for p in sorted(rec.updates))
-        effects: list[Effect] = [o for o in overdue if o.peers]
+        effects: list[Effect] = [Overdue(rec.index, "collecting", late)] if late else []
         for s in range(self.num_slices):
             rec.aggregators[s] = aggregators(self.task_id, rec.index, s, pool, self.aggregators_per_slice)
             if self.self_id in rec.aggregators[s]:

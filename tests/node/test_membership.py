@@ -10,6 +10,14 @@ def states(node):
     return {p: r.state for p, r in node.membership.table.peers.items()}
 
 
+async def two_nodes(nursery, network, tmp_path):
+    """Node a, and node b bootstrapped from it."""
+    a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
+    b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=[a.host.listen_addrs()[0]]),
+                            network.open_host)
+    return a, b
+
+
 async def test_three_nodes_see_each_other_through_one_bootstrap(network, tmp_path):
     async with trio.open_nursery() as nursery:
         first, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
@@ -26,9 +34,7 @@ async def test_three_nodes_see_each_other_through_one_bootstrap(network, tmp_pat
 
 async def test_a_killed_node_goes_suspect_then_dead_and_comes_back(network, tmp_path):
     async with trio.open_nursery() as nursery:
-        a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
-        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=[a.host.listen_addrs()[0]]),
-                                network.open_host)
+        a, b = await two_nodes(nursery, network, tmp_path)
         b_id = b.keypair.peer_id
         await wait_until(lambda: a.membership.table.alive() == [b_id])
         network.kill(b_id)
@@ -40,9 +46,7 @@ async def test_a_killed_node_goes_suspect_then_dead_and_comes_back(network, tmp_
 
 async def test_a_node_whose_connection_closes_is_suspect_at_once_and_its_listeners_hear_it(network, tmp_path):
     async with trio.open_nursery() as nursery:
-        a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
-        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=[a.host.listen_addrs()[0]]),
-                                network.open_host)
+        a, b = await two_nodes(nursery, network, tmp_path)
         b_id = b.keypair.peer_id
         heard: list[str] = []
         a.membership.gone_listeners.append(heard.append)
@@ -55,9 +59,7 @@ async def test_a_node_whose_connection_closes_is_suspect_at_once_and_its_listene
 
 async def test_a_partitioned_node_is_dead_then_alive_again_after_heal(network, tmp_path):
     async with trio.open_nursery() as nursery:
-        a, _ = await start_node(nursery, fast_config(tmp_path / "a"), network.open_host)
-        b, _ = await start_node(nursery, fast_config(tmp_path / "b", bootstrap=[a.host.listen_addrs()[0]]),
-                                network.open_host)
+        a, b = await two_nodes(nursery, network, tmp_path)
         a_id, b_id = a.keypair.peer_id, b.keypair.peer_id
         await wait_until(lambda: a.membership.table.alive() == [b_id])
         network.partition(a_id, b_id)
