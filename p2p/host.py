@@ -37,6 +37,7 @@ from p2p.guards import (Offences, PeerGate, fix_inbound_slots, fix_prune_backoff
 from p2p.interfaces import advertise_dialable_over_mdns, is_unspecified
 from p2p.notifee import ConnectionEvents
 from p2p.nat import NatService
+from p2p.frames import write_whole_frames
 from p2p.wire import count_gossip_bytes, count_wire_bytes, idontwant_for_large_messages_only, omit_sender_records
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
@@ -446,6 +447,7 @@ async def open_host(keypair: Keypair, config: HostConfig | None = None) -> Async
     raw_host, gossipsub, pubsub, offences, gate = _build_libp2p(keypair, config)
     stats = HostStatistics()
     count_wire_bytes(raw_host, stats)  # before the first connection, inbound ones included
+    write_whole_frames(raw_host)
     omit_sender_records(pubsub)
     count_gossip_bytes(pubsub, stats)  # what is written, the record left out
     # The teardown scope encloses every context below, so cleanup can be shielded and bounded
