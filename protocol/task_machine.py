@@ -88,6 +88,8 @@ JOIN_LEAD_ROUNDS = 2
 the same round (members that disagree on membership pick different aggregators)."""
 JOIN_ANSWERS = 2
 """Members that answer a join from older weights with their own (chosen by rendezvous hash)."""
+OUTVOTED_ROUNDS = 4
+"""How many past rounds' outvoted weights are kept out of the heads a node would move to."""
 
 
 # -- events the caller feeds in (besides the task messages themselves) ----------------------------
@@ -264,6 +266,15 @@ class RoundState:
     started_at: float | None = None
     producing: bool = False
     updates: dict[str, UpdateAnnounce] = field(default_factory=dict)
+    heard_updates: set[str] = field(default_factory=set)
+    """Producers whose update of this round (from its base) we heard, counted or too late to count:
+    the updates an aggregate may list. Every node hears the same gossip, so every node ranks a
+    slice's aggregates alike even where it closed collecting before a late joiner's update."""
+    unknown_since: float | None = None
+    """When an aggregate first listed a producer we have not heard: it is waited for a heartbeat window."""
+    ranked: dict[int, tuple] = field(default_factory=dict)
+    """Per slice: ((candidates, updates heard), the aggregate chosen, whether one lists an unheard update).
+    Both only grow within a round, so equal counts mean the same inputs: a 1,000-member round ranks once."""
     aggregates: dict[int, dict[str, AggregateAnnounce]] = field(default_factory=dict)
     weights: dict[str, WeightsAnnounce] = field(default_factory=dict)
     members: tuple[str, ...] = ()
@@ -332,6 +343,9 @@ class TaskMachine:
     _joined_at: dict[str, float] = field(default_factory=dict)
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
+    _outvoted: dict[int, set[str]] = field(default_factory=dict)
+    """Per round: weights hashes that lost our vote of it. A member that lost is not a history to move
+    to, whatever work it claims (it claims more when its aggregate choice covered more producers)."""
     _sync_round: int = -1
     """The round of the weights being fetched: the message window follows it while syncing."""
     _now: float = float("-inf")
@@ -558,6 +572,8 @@ class TaskMachine:
                 waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
+                if rec.unknown_since is not None:
+                    times.append(rec.unknown_since + self.quiet_after_s)
                 if rec.republish_at is not None:
                     times.append(rec.republish_at)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
@@ -608,7 +624,7 @@ class TaskMachine:
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.producer, now)
-        if rec is None or (rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING)):
+        if rec is None or rec.phase in (Phase.VOTING, Phase.CLOSED):
             self.dropped["late_update"] += 1
             return []
         if len(msg.manifest_ids) != self.num_slices or msg.samples > self.max_samples:
@@ -617,6 +633,11 @@ class TaskMachine:
         if rec.base is not None and msg.base_hash != rec.base.weights_hash:
             self.dropped["wrong_base"] += 1
             return []
+        rec.heard_updates.add(msg.producer)
+        if rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING):
+            # Too late to count, but an aggregate may list it: the slice's choice may have been waiting on it.
+            self.dropped["late_update"] += 1
+            return self._advance(rec, now) if rec.index == self.current and rec.phase is Phase.GATHERING else []
         if msg.producer not in rec.updates:
             rec.updates[msg.producer] = msg
             cached = self._members_cache.get(rec.index)
@@ -677,6 +698,7 @@ class TaskMachine:
                              base_hash=rec.base.weights_hash, samples=ev.samples, manifest_ids=ev.manifest_ids,
                              losses=ev.losses)
         rec.updates[self.self_id] = rec.my_update = msg
+        rec.heard_updates.add(self.self_id)
         return [Publish(msg), *self._advance(rec, now)]
 
     def _on_Aggregated(self, ev: Aggregated, now: float) -> list[Effect]:
@@ -761,7 +783,8 @@ class TaskMachine:
     # -- deciding what to do next ----------------------------------------------------------------
 
     def _usable(self, w: WeightsAnnounce, now: float) -> bool:
-        return bool(w.state_manifest) and w.weights_hash not in self._blocked and self.live(w.peer_id, now)
+        return bool(w.state_manifest) and w.weights_hash not in self._blocked and self.live(w.peer_id, now) \
+            and w.weights_hash not in self._outvoted.get(w.round, ())
 
     def _best_stale(self, now: float) -> bool:
         if not self._best_dirty and self._best_seen[0] != self._heartbeats:
@@ -898,13 +921,14 @@ class TaskMachine:
             updates = {p: u for p, u in rec.updates.items() if u.base_hash == self.head.weights_hash}
             aggregates = {s: {a: m for a, m in got.items() if set(m.included) <= set(updates)}
                           for s, got in rec.aggregates.items()}
-            rec = self.rounds_seen[r] = RoundState(index=r, updates=updates, aggregates=aggregates,
-                                                   weights=dict(rec.weights))
+            rec = self.rounds_seen[r] = RoundState(index=r, updates=updates, heard_updates=set(updates),
+                                                   aggregates=aggregates, weights=dict(rec.weights))
             self._members_cache.pop(r, None)
         rec.base, rec.started_at = self.head, now
         rec.producing = r >= self.produce_from
         for producer in [p for p, u in rec.updates.items() if u.base_hash != self.head.weights_hash]:
             del rec.updates[producer]
+            rec.heard_updates.discard(producer)
             self.dropped["wrong_base"] += 1
         rec.updated_of = None
         self._members_cache.pop(r, None)
@@ -1035,21 +1059,33 @@ class TaskMachine:
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
+        heard = rec.heard_updates
         eligible = set(rec.members)
-        chosen, complete = [], True
+        chosen, complete, unknown = [], True, False
         for s in range(self.num_slices):
             expected = rec.aggregators.get(s, ())
             got = {a: m for a, m in rec.aggregates.get(s, {}).items() if a in expected or a in eligible}
             if not got:
                 complete = False
                 continue
-            best = choose_aggregate(got.values(), collected)
+            key = (len(got), len(heard))
+            cached = rec.ranked.get(s)
+            if cached is None or cached[0] != key:
+                cached = rec.ranked[s] = (key, choose_aggregate(got.values(), heard),
+                                          any(p not in heard for m in got.values() for p in m.included))
+            best = cached[1]
+            unknown = unknown or cached[2]
             chosen.append(best)
             # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
             # so the slice need not wait for the other aggregators.
             if not collected <= set(best.included) and any(
                     a not in got and self._owes(a, rec, now) for a in expected):
                 complete = False
+        if unknown:
+            # An aggregate lists an update we have not heard: gossip brings an honest one within a
+            # heartbeat window, and until then another node could rank this slice's aggregates otherwise.
+            rec.unknown_since = now if rec.unknown_since is None else rec.unknown_since
+            complete = complete and now >= rec.unknown_since + self.quiet_after_s
         if not complete and now < rec.collected_at + self.round_deadline_s:
             # An aggregator still collecting may have lost our update, and a member our aggregate.
             return self._regossip(rec, now)
@@ -1090,6 +1126,12 @@ class TaskMachine:
                              num_agree=num_for, num_disagree=num_against, members=len(rec.members),
                              work=rec.mine.work, failed=not rec.chosen)
         effects.append(closed)
+        lost = ({w.weights_hash for w in voters.values()} | {rec.mine.weights_hash}) - {winner}
+        if lost:
+            self._outvoted[rec.index] = lost
+            for old in [r for r in self._outvoted if r < rec.index - OUTVOTED_ROUNDS]:
+                del self._outvoted[old]
+            self._best_dirty = True
         if closed.agreed:
             return effects + self._begin(now)
         states = Counter(w.state_hash for w in voters.values() if w.weights_hash == winner)

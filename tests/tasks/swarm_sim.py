@@ -6,6 +6,7 @@ heartbeats, and answers each effect at once with the event a node's executor wou
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -52,7 +53,11 @@ class Swarm:
         """Per partition group, its heartbeats: written once, read by every machine in the group."""
         self.dead: set[str] = set()
         self.lie = set(lie)
+        self.inflate: dict[str, int] = {}
+        """Per node, work it adds to what its weights announcements claim (a lying or mistaken member)."""
         self.mute: set[str] = set()
+        self.slow_links: dict[tuple[str, str, type], float] = {}
+        """(sender, receiver, message type): simulated seconds such messages take to reach the receiver."""
         self.saved: dict[str, Head] = {}
         self.history: dict[str, dict[int, str]] = {}
         self.closed: list[tuple[str, RoundClosed]] = []
@@ -139,6 +144,8 @@ class Swarm:
     def handle(self, name: str, effects) -> None:
         for e in effects:
             self.events.append((name, e))
+            if isinstance(e, Publish) and isinstance(e.message, WeightsAnnounce) and name in self.inflate:
+                e = Publish(dataclasses.replace(e.message, work=e.message.work + self.inflate[name]))
             if isinstance(e, Publish):
                 self.broadcast(name, e.message)
                 if isinstance(e.message, WeightsAnnounce):
@@ -201,7 +208,10 @@ class Swarm:
                 continue
             if only is None:
                 for n, m in self._in_group(group):
-                    if n != who:
+                    if n != who and (who, n, type(item)) in self.slow_links:
+                        heapq.heappush(self.later, (self.now + self.slow_links[who, n, type(item)], next(self._seq),
+                                                    n, item))
+                    elif n != who:
                         effects = m.handle(item, self.now)
                         if effects:
                             self.handle(n, effects)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protocol.round import aggregators
-from protocol.task import UpdateAnnounce, WeightsAnnounce
+from protocol.task import TaskJoin, UpdateAnnounce, WeightsAnnounce
 from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Overdue, Phase,
                                    Publish, RoundClosed, Stage, TaskMachine)
 from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, TRAIN_SHARE, Swarm, h
@@ -64,6 +64,15 @@ def test_a_node_with_different_weights_is_outvoted_and_resyncs():
     assert {e.peer_id for _, e in sim.dissents()} == {"c"}
     resyncs = [(n, e) for n, e in sim.events if isinstance(e, FetchState)]
     assert {n for n, _ in resyncs} == {"c"}
+    assert len(final_hashes(sim)) == 1
+
+
+def test_a_member_outvoted_on_a_round_is_no_history_to_move_to_whatever_work_it_claims():
+    sim = Swarm(["a", "b", "c"], rounds=3, lie={"c"})
+    sim.inflate["c"] = 100
+    sim.run_until(sim.all_done, 60)
+    assert {e.peer_id for _, e in sim.dissents()} == {"c"}
+    assert {n for n, e in sim.events if isinstance(e, FetchState)} == {"c"}, "only the outvoted node re-syncs"
     assert len(final_hashes(sim)) == 1
 
 
@@ -537,3 +546,40 @@ def test_a_phase_that_runs_to_its_deadline_names_the_live_peers_it_waited_for():
     sim.run_until(lambda: any(isinstance(e, Overdue) for _, e in sim.events), DEADLINE_S + 30, step_s=0.5)
     overdue = {(n, e.phase, e.peers) for n, e in sim.events if isinstance(e, Overdue)}
     assert overdue == {(n, "voting", ("d",)) for n in "abc"}, overdue
+
+
+def _late_update_cases(count: int, rounds: int) -> list[list[str]]:
+    """Swarms of four where rendezvous never makes the last node an aggregator and makes the first one
+    an aggregator in its own three-member view: the first then holds an aggregate of its own that
+    misses the last node's update, beside the others' that list it."""
+    cases = []
+    for i in range(200):
+        names = [f"n{i}-{j}" for j in range(4)]
+        if any(names[-1] in aggregators(TASK, r, s, names, 2) for r in range(rounds) for s in range(2)):
+            continue
+        if any(names[0] in aggregators(TASK, r, s, names[:-1], 2) for r in range(rounds) for s in range(2)):
+            cases.append(names)
+        if len(cases) == count:
+            return cases
+    raise AssertionError("no such swarm among 200")
+
+
+@pytest.mark.parametrize("names", _late_update_cases(3, rounds=3))
+def test_a_node_that_closed_collecting_before_an_update_ranks_the_aggregates_listing_it_like_everyone(names):
+    """A node counts the members it knows of; one whose join it has not heard (a joiner at the
+    boundary, or a peer whose connection just dropped) is counted by the others, whose aggregates then
+    list its update. The node that closed collecting without it hears that update a moment later and
+    must still choose the same aggregate of each slice as the rest. Choosing by the updates it had
+    counted, it chose its own smaller aggregate, lost the vote and re-synced, and the others took its
+    larger work claim for a better history and fetched it."""
+    first, late = names[0], names[-1]
+    sim = Swarm(names, rounds=3, min_members=3)
+    sim.slow_links[late, first, TaskJoin] = sim.slow_links[late, first, WeightsAnnounce] = 1e6
+    sim.slow_links[late, first, UpdateAnnounce] = 0.5
+    sim.run_until(sim.all_done, 120)
+    assert not sim.disagreements() and not sim.dissents(), sim.dissents()
+    assert not [n for n, e in sim.events if isinstance(e, FetchState)], "nobody re-syncs"
+    chosen = {n: [(e.round, [c.result_hash for c in e.chosen]) for m, e in sim.events if m == n and isinstance(e, Apply)]
+              for n in names}
+    assert all(chosen[n] == chosen[names[1]] for n in names)
+    assert all(len(c.included) == 4 for n, e in sim.events if isinstance(e, Apply) for c in e.chosen)
