@@ -291,7 +291,10 @@ async def test_a_full_subscription_buffer_drops_and_counts(swarm):
             for i in range(5):
                 await a.publish(TOPIC, b"%d" % i)
             await wait_until(lambda: b.statistics().gossip_dropped_queue_full == 3)
-            assert [(await rb.receive()).data for _ in range(2)] == [b"0", b"1"]
+            # Two of the five, not necessarily the first two: py-libp2p handles each received
+            # message in a task of its own, so gossip is not delivered in publishing order.
+            got = [(await rb.receive()).data for _ in range(2)]
+            assert len(set(got)) == 2 and set(got) <= {b"%d" % i for i in range(5)}, got
             assert b.statistics().gossip_received == 2
 
 
