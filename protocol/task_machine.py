@@ -572,6 +572,7 @@ class TaskMachine:
                 waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
+                times.append(rec.collected_at + self.quiet_after_s)
                 if rec.unknown_since is not None:
                     times.append(rec.unknown_since + self.quiet_after_s)
                 if rec.republish_at is not None:
@@ -1077,9 +1078,10 @@ class TaskMachine:
             unknown = unknown or cached[2]
             chosen.append(best)
             # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
-            # so the slice need not wait for the other aggregators.
-            if not collected <= set(best.included) and any(
-                    a not in got and self._owes(a, rec, now) for a in expected):
+            # so after a heartbeat window (for updates of peers we did not count, which other
+            # aggregators list) the slice need not wait for the other aggregators.
+            settled = collected <= set(best.included) and now >= rec.collected_at + self.quiet_after_s
+            if not settled and any(a not in got and self._owes(a, rec, now) for a in expected):
                 complete = False
         if unknown:
             # An aggregate lists an update we have not heard: gossip brings an honest one within a

@@ -208,20 +208,21 @@ class Swarm:
                 continue
             if only is None:
                 for n, m in self._in_group(group):
-                    if n != who and (who, n, type(item)) in self.slow_links:
-                        heapq.heappush(self.later, (self.now + self.slow_links[who, n, type(item)], next(self._seq),
-                                                    n, item))
-                    elif n != who:
-                        effects = m.handle(item, self.now)
-                        if effects:
-                            self.handle(n, effects)
+                    if n != who:
+                        self._deliver(who, n, m, item)
                 continue
             for n in only:
-                m = self.machines[n]
                 if n != who and n not in self.dead and self.group[n] == group:
-                    effects = m.handle(item, self.now)
-                    if effects:
-                        self.handle(n, effects)
+                    self._deliver(who, n, self.machines[n], item)
+
+    def _deliver(self, sender: str, name: str, m: TaskMachine, item) -> None:
+        delay = self.slow_links.get((sender, name, type(item)))
+        if delay is not None:
+            heapq.heappush(self.later, (self.now + delay, next(self._seq), name, item))
+            return
+        effects = m.handle(item, self.now)
+        if effects:
+            self.handle(name, effects)
 
     def _heartbeat(self, only: str | None = None) -> None:
         alive = self.alive()
