@@ -27,17 +27,19 @@ def aggregators(task_id: str, r: int, slice_index: int, members, k: int) -> tupl
 
 
 def choose_aggregate(candidates, held=None) -> AggregateAnnounce:
-    """Most producers covered wins; aggregation is deterministic, so equal coverage means equal bytes
-    from honest aggregators, and the smaller hash only breaks ties between liars.
+    """Most producers covered wins; aggregation is deterministic, so equal inputs mean equal bytes from
+    honest aggregators. Where equal coverage gives different results the smaller hash is only the
+    candidate the task machine recomputes first (protocol/audit.py): it is applied only if it matches.
 
-    ``held``: the producers whose updates this node holds. Only those count as covered, and between
-    equal coverage the aggregate listing fewer others wins: an aggregator that lists an invented
-    producer gains nothing by it (it used to win every slice it aggregated)."""
+    ``held``: the inputs this node heard, as (producer, slice, manifest id) of each signed update. Only
+    listed inputs found there count as covered, and between equal coverage the aggregate listing fewer
+    others wins: an aggregator that lists an invented producer, or a slice its producer never signed,
+    gains nothing by it (an invented producer used to win every slice its aggregator aggregated)."""
     if held is None:
         return min(candidates, key=lambda m: (-len(m.included), m.result_hash))
 
     def rank(m: AggregateAnnounce) -> tuple:
-        known = sum(1 for p in m.included if p in held)
+        known = sum(1 for p, i in zip(m.included, m.inputs) if (p, m.slice, i) in held)
         return -known, len(m.included) - known, m.result_hash
     return min(candidates, key=rank)
 

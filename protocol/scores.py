@@ -15,6 +15,9 @@ PENALTIES = {
     "protocol_violation": 15.0,
     "handler_error": 5.0,
     "wrong_weights": 50.0,
+    # Proven by recomputation (protocol/audit.py): a signed aggregate that its own inputs contradict.
+    "forged_aggregate": 1000.0,
+    "false_accusation": 25.0,
     # Refused inside the libp2p host (p2p.guards), below our own handlers.
     "gossip_rpc_malformed": 20.0,
     "gossip_rpc_oversize": 20.0,

@@ -42,6 +42,8 @@ MAX_ID_CHARS = 128
 HEX_HASH_CHARS = 64
 MAX_LOSSES = 64
 DEFAULT_TASK_SPEC_BYTES = 16 * 1024
+MAX_PROOF_BYTES = 60 * 1024
+"""A sealed aggregate inside a proof: the proof must still fit a task message (64 KiB)."""
 
 SPECS_TOPIC = "shoal/tasks/1"
 
@@ -174,7 +176,7 @@ class HFSpec:
         _need(_finite(self.dpo_beta) and 0 < self.dpo_beta <= 100, "hf.dpo_beta must be in (0, 100]")
 
 
-@message(tag=32)
+@message(tag=32, optional_tail=("spot_check",))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AggregationSpec:
     """How an aggregator combines the producers' copies of one slice (node/tasks/robust.py).
@@ -193,6 +195,10 @@ class AggregationSpec:
     norm_bound: float = 0.0
     """Before any rule, each producer's slice is scaled down to at most norm_bound x the median of that
     slice's producer norms; 0 leaves the slices as they are."""
+    spot_check: float = 0.0
+    """The chance that a member recomputes a slice's chosen aggregate from its inputs although no other
+    aggregate contradicts it (one that contradicts another is always recomputed): what keeps a slice's
+    only aggregator honest."""
 
     def __post_init__(self) -> None:
         _need(self.rule in AGGREGATION_RULES, f"aggregation.rule {self.rule!r} is not one of {list(AGGREGATION_RULES)}")
@@ -202,6 +208,7 @@ class AggregationSpec:
         _need(_finite(self.norm_bound) and (self.norm_bound == 0 or 1 <= self.norm_bound <= MAX_NORM_BOUND),
               f"aggregation.norm_bound must be 0 (no bound) or within 1..{MAX_NORM_BOUND:g} (a multiple of the "
               "median producer norm; below 1 it would shrink most honest updates)")
+        _need(_finite(self.spot_check) and 0 <= self.spot_check <= 1, "aggregation.spot_check must be within 0..1")
 
 
 @message(tag=24, optional_tail=("aggregation",))
@@ -352,13 +359,18 @@ class UpdateAnnounce:
 @message(tag=27)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AggregateAnnounce:
-    """An aggregator's weighted mean of one slice over ``included`` producers (sorted ids)."""
+    """An aggregator's combination of one slice over ``included`` producers (sorted ids).
+
+    ``inputs[i]`` is the manifest of producer ``included[i]``'s slice that went into it, as that
+    producer's signed UpdateAnnounce names it: aggregation is deterministic, so anyone holding those
+    updates can recompute ``result_hash``, and a signed aggregate that does not match them is proof."""
 
     task_id: str
     round: int
     slice: int
     aggregator: str
     included: tuple[str, ...]
+    inputs: tuple[str, ...]
     manifest_id: str
     result_hash: str
 
@@ -368,7 +380,34 @@ class AggregateAnnounce:
         _need(0 <= self.round < MAX_ROUNDS and 0 <= self.slice < MAX_SLICES, "round or slice out of range")
         _need(1 <= len(self.included) <= MAX_MEMBERS, "included must name 1..10000 producers")
         _need(list(self.included) == sorted(set(self.included)), "included must be sorted and distinct")
+        _need(len(self.inputs) == len(self.included) and all(_is_hex_hash(m) for m in self.inputs),
+              "inputs must name one hex manifest id per included producer")
         _need(_is_hex_hash(self.manifest_id) and _is_hex_hash(self.result_hash), "ids must be hex sha256")
+
+    def key(self) -> tuple[int, int, tuple[str, ...], tuple[str, ...]]:
+        """What the aggregate is a function of: aggregates with equal keys must have equal results."""
+        return self.round, self.slice, self.included, self.inputs
+
+
+@message(tag=33)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AggregateProof:
+    """``accuser`` recomputed an aggregate from the updates it lists and got another result.
+
+    ``aggregate`` is the accused AggregateAnnounce as its aggregator sealed it (signature included), so
+    the claim is the aggregator's own; anyone holding the listed updates can recompute and judge it."""
+
+    task_id: str
+    accuser: str
+    aggregate: bytes
+    result_hash: str
+    """What the accuser's recomputation gave."""
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _check_id(self.accuser, "accuser")
+        _need(0 < len(self.aggregate) <= MAX_PROOF_BYTES, "aggregate must be a sealed envelope")
+        _need(_is_hex_hash(self.result_hash), "result_hash must be a hex sha256")
 
 
 @message(tag=28, optional_tail=("train_share",))
@@ -430,7 +469,7 @@ class TaskCancel:
         _need(len(self.reason) <= 256, "reason must have at most 256 characters")
 
 
-TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer)
+TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer, AggregateProof)
 
 # -- TOML ----------------------------------------------------------------------------------------
 
@@ -439,7 +478,7 @@ _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "require
 _OPTIONAL_TABLES: dict[type, set[str]] = {
     TaskSpec: {"model", "hf", "aggregation"}, DatasetSpec: {"manifest", "heldout_fraction"},
     Requirements: {"torch_version"}, HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
-    AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound"},
+    AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check"},
 }
 """Keys a TOML spec may leave out: tables that belong to other recipes, and fields with a default."""
 _DEFAULTS: dict[str, Any] = {
@@ -450,7 +489,7 @@ _DEFAULTS: dict[str, Any] = {
     "requirements": {"min_memory_bytes": 0, "device": "any"},
     # Chosen by scripts/bench_robust.py (README "Robust aggregation"): the smallest worst case over its attacks,
     # at no cost to honest training.
-    "aggregation": {"rule": "centered_clip", "norm_bound": 2.0},
+    "aggregation": {"rule": "centered_clip", "norm_bound": 2.0, "spot_check": 0.05},
 }
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import enum
 import heapq
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from protocol.audit import Accused, Audit, FalseAccusation, Forged, Verified, Verify
 from protocol.heard import HeardLog
 from protocol.rendezvous import make_key, top
 from protocol.round import Head, aggregators, best_head, choose_aggregate, round_work, vote
@@ -109,6 +111,8 @@ class Aggregated:
     round: int
     slice: int
     included: tuple[str, ...]
+    inputs: tuple[str, ...]
+    """The manifest of each included producer's slice that went in (AggregateAnnounce.inputs)."""
     manifest_id: str
     result_hash: str
 
@@ -154,7 +158,7 @@ class PeerGone:
 
 
 Event = TaskJoin | UpdateAnnounce | AggregateAnnounce | WeightsAnnounce | Trained | Aggregated | Applied | Synced \
-    | SyncFailed | WorkFailed | PeerGone
+    | SyncFailed | WorkFailed | PeerGone | Verified | Accused
 
 
 # -- effects the caller acts on --------------------------------------------------------------------
@@ -248,10 +252,13 @@ class Finished:
     round: int
 
 
-Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Overdue | Finished
+Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Overdue | Finished \
+    | Verify | Forged | FalseAccusation
 
 
-_WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed)
+_WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed, Verified)
+MAX_UPDATES_PER_PRODUCER = 4
+"""Distinct updates kept per producer and round (a restarted producer signs a second one): inputs an aggregate may name."""
 
 
 class LocalTransitionError(AssertionError):
@@ -266,14 +273,23 @@ class RoundState:
     started_at: float | None = None
     producing: bool = False
     updates: dict[str, UpdateAnnounce] = field(default_factory=dict)
-    heard_updates: set[str] = field(default_factory=set)
-    """Producers whose update of this round (from its base) we heard, counted or too late to count:
+    heard_updates: dict[str, list[UpdateAnnounce]] = field(default_factory=dict)
+    """Per producer, its updates of this round (from its base) we heard, counted or too late to count:
     the updates an aggregate may list. Every node hears the same gossip, so every node ranks a
     slice's aggregates alike even where it closed collecting before a late joiner's update."""
+    heard_inputs: set[tuple[str, int, str]] = field(default_factory=set)
+    """(producer, slice, manifest id) of every update in ``heard_updates``: the inputs an aggregate may name."""
+    unverifiable: set[tuple] = field(default_factory=set)
+    """Keys of aggregates that needed a recomputation but list an input we never heard: never applied."""
+    redo: bool = False
+    """A slice's choice changed within a pass (an aggregate found unverifiable): decide again at once."""
+    spot: dict[int, bool] = field(default_factory=dict)
+    """Per slice, whether this node recomputes the chosen aggregate though its aggregators agree (drawn once)."""
     unknown_since: float | None = None
     """When an aggregate first listed a producer we have not heard: it is waited for a heartbeat window."""
     ranked: dict[int, tuple] = field(default_factory=dict)
-    """Per slice: ((candidates, updates heard), the aggregate chosen, whether one lists an unheard update).
+    """Per slice: ((candidates, inputs heard, bans, verdicts), the aggregate chosen, whether one lists an
+    unheard input, whether the candidates disagree).
     Both only grow within a round, so equal counts mean the same inputs: a 1,000-member round ranks once."""
     aggregates: dict[int, dict[str, AggregateAnnounce]] = field(default_factory=dict)
     weights: dict[str, WeightsAnnounce] = field(default_factory=dict)
@@ -305,6 +321,11 @@ class TaskMachine:
     min_members: int
     max_members: int
     max_samples: int
+    spot_check: float = 0.0
+    """The chance that this node recomputes a slice's chosen aggregate although no other contradicts it."""
+    rng: random.Random = field(default_factory=random.Random)
+    """Draws the spot checks: unpredictable to an aggregator, so it cannot know which slices go unchecked."""
+    audit: Audit = field(default_factory=Audit)
     stage: Stage = Stage.LISTENING
     head: Head | None = None
     detail: str = ""
@@ -472,6 +493,7 @@ class TaskMachine:
         seen = self._live_changes(now)
         peers = set(self.position) | set(rec.updates)
         out = {p for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec)}
+        out -= self.audit.banned
         if rec.producing:
             out.add(self.self_id)
         ordered = sorted(out)[: self.max_members]
@@ -486,7 +508,8 @@ class TaskMachine:
         rec = RoundState(index=r, base=base, updates={} if seen is None else {
             p: u for p, u in seen.updates.items() if u.base_hash == base.weights_hash})
         peers = set(self.position) | set(rec.updates)
-        return 1 + sum(1 for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec))
+        return 1 + sum(1 for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec)
+                       and p not in self.audit.banned)
 
     # -- the round window ------------------------------------------------------------------------
 
@@ -513,6 +536,7 @@ class TaskMachine:
         for old in [i for i in self.rounds_seen if i < r - KEEP_ROUNDS or (i > r + AHEAD_ROUNDS)]:
             del self.rounds_seen[old]
         self._members_cache.clear()
+        self.audit.forget_before(r - KEEP_ROUNDS)
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -533,6 +557,10 @@ class TaskMachine:
     def handle(self, event: Event, now: float) -> list[Effect]:
         self._now = max(self._now, now)
         if self.stage is Stage.FAILED or (not self._started and type(event) in _WORK_EVENTS):
+            return []
+        sender = _SENDER.get(type(event))
+        if sender is not None and getattr(event, sender) in self.audit.banned:
+            self.dropped["banned"] += 1
             return []
         return _HANDLERS[type(event)](self, event, now)
 
@@ -634,7 +662,7 @@ class TaskMachine:
         if rec.base is not None and msg.base_hash != rec.base.weights_hash:
             self.dropped["wrong_base"] += 1
             return []
-        rec.heard_updates.add(msg.producer)
+        self._hear_update(rec, msg)
         if rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING):
             # Too late to count, but an aggregate may list it: the slice's choice may have been waiting on it.
             self.dropped["late_update"] += 1
@@ -646,6 +674,40 @@ class TaskMachine:
                 del self._members_cache[rec.index]
         return self._advance(rec, now) if rec.index == self.current else []
 
+    @staticmethod
+    def _hear_update(rec: RoundState, msg: UpdateAnnounce) -> None:
+        heard = rec.heard_updates.setdefault(msg.producer, [])
+        if msg in heard or len(heard) >= MAX_UPDATES_PER_PRODUCER:
+            return
+        heard.append(msg)
+        rec.heard_inputs.update((msg.producer, s, m) for s, m in enumerate(msg.manifest_ids))
+
+    @staticmethod
+    def _keep_heard_from(rec: RoundState, base_hash: str) -> None:
+        """Only updates trained from ``base_hash`` are inputs an aggregate of this round may name."""
+        heard = {p: [u for u in us if u.base_hash == base_hash] for p, us in rec.heard_updates.items()}
+        rec.heard_updates = {p: us for p, us in heard.items() if us}
+        rec.heard_inputs = {(p, s, m) for p, us in rec.heard_updates.items() for u in us
+                            for s, m in enumerate(u.manifest_ids)}
+
+    @staticmethod
+    def _inputs_of(rec: RoundState, a: AggregateAnnounce) -> tuple[UpdateAnnounce, ...] | None:
+        """The signed updates whose slices ``a`` lists, or None when we have not heard one of them."""
+        out = []
+        for p, mid in zip(a.included, a.inputs):
+            u = next((u for u in rec.heard_updates.get(p, ()) if u.manifest_ids[a.slice] == mid), None)
+            if u is None:
+                return None
+            out.append(u)
+        return tuple(out)
+
+    def _judged(self, effects: list[Effect]) -> list[Effect]:
+        """A ban changes the members, the votes and the heads to move to."""
+        if any(isinstance(e, Forged) for e in effects):
+            self._members_cache.clear()
+            self._best_dirty = True
+        return effects
+
     def _on_AggregateAnnounce(self, msg: AggregateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.aggregator, now)
@@ -654,7 +716,42 @@ class TaskMachine:
             self.dropped["late_aggregate"] += 1
             return []
         rec.aggregates.setdefault(msg.slice, {}).setdefault(msg.aggregator, msg)
-        return self._advance(rec, now) if rec.index == self.current else []
+        # A key we recomputed (or aggregated ourselves) judges a new aggregate at once.
+        effects = self._judged(self.audit.judge(msg))
+        return effects + (self._advance(rec, now) if rec.index == self.current else [])
+
+    def _on_Verified(self, ev: Verified, now: float) -> list[Effect]:
+        waiting = self.audit.answer(ev)
+        r, slice_index = ev.key[0], ev.key[1]
+        rec = self.rounds_seen.get(r)
+        effects: list[Effect] = []
+        if rec is not None:
+            for a in list(rec.aggregates.get(slice_index, {}).values()):
+                if a.key() == ev.key:
+                    effects += self.audit.judge(a)
+        for accuser, a in waiting:
+            effects += self.audit.judge(a, accuser=accuser)
+        self._judged(effects)
+        cur = self.rounds_seen.get(self.current)
+        if self.stage is Stage.RUNNING and cur is not None:
+            effects += self._advance(cur, now)
+        return effects
+
+    def _on_Accused(self, ev: Accused, now: float) -> list[Effect]:
+        """A proof from a peer: judged by our own recomputation from the inputs we hold, never on its word."""
+        a = ev.aggregate
+        if a.task_id != self.task_id or a.aggregator in self.audit.banned or ev.accuser == self.self_id \
+                or not 0 <= a.slice < self.num_slices:
+            return []
+        if self.audit.verdict(a.key())[0]:
+            return self._judged(self.audit.judge(a, accuser=ev.accuser))
+        rec = self._round(a.round)
+        updates = self._inputs_of(rec, a) if rec is not None else None
+        if updates is None:
+            self.dropped["unjudged_proof"] += 1  # not our round, or we lack its inputs: nobody is charged
+            return []
+        self.audit.accuse(ev.accuser, a)
+        return list(self.audit.ask(a, updates))
 
     def _on_WeightsAnnounce(self, msg: WeightsAnnounce, now: float) -> list[Effect]:
         if msg.task_id != self.task_id or msg.peer_id == self.self_id:
@@ -699,14 +796,16 @@ class TaskMachine:
                              base_hash=rec.base.weights_hash, samples=ev.samples, manifest_ids=ev.manifest_ids,
                              losses=ev.losses)
         rec.updates[self.self_id] = rec.my_update = msg
-        rec.heard_updates.add(self.self_id)
+        self._hear_update(rec, msg)
         return [Publish(msg), *self._advance(rec, now)]
 
     def _on_Aggregated(self, ev: Aggregated, now: float) -> list[Effect]:
         if ev.round not in self.rounds_seen:
             return []
         msg = AggregateAnnounce(task_id=self.task_id, round=ev.round, slice=ev.slice, aggregator=self.self_id,
-                                included=ev.included, manifest_id=ev.manifest_id, result_hash=ev.result_hash)
+                                included=ev.included, inputs=ev.inputs, manifest_id=ev.manifest_id,
+                                result_hash=ev.result_hash)
+        self.audit.own(msg)
         return [Publish(msg), *self._on_AggregateAnnounce(msg, now)]
 
     def _on_Applied(self, ev: Applied, now: float) -> list[Effect]:
@@ -785,7 +884,7 @@ class TaskMachine:
 
     def _usable(self, w: WeightsAnnounce, now: float) -> bool:
         return bool(w.state_manifest) and w.weights_hash not in self._blocked and self.live(w.peer_id, now) \
-            and w.weights_hash not in self._outvoted.get(w.round, ())
+            and w.weights_hash not in self._outvoted.get(w.round, ()) and w.peer_id not in self.audit.banned
 
     def _best_stale(self, now: float) -> bool:
         if not self._best_dirty and self._best_seen[0] != self._heartbeats:
@@ -809,7 +908,7 @@ class TaskMachine:
 
     def _better_head(self, now: float) -> tuple[Head, tuple[Head, ...]] | None:
         """A live peer's weights this node should hold instead of its own, and every source of them."""
-        best = self._best_known(now)
+        best = self._best_known(now) if self.head is not None else self._most_held(now)
         if best is None or (self.head is not None and (best.same_weights(self.head)
                                                         or best.rank() >= self.head.rank())):
             return None
@@ -819,8 +918,27 @@ class TaskMachine:
             # whose outer step went wrong would win on a smaller hash); the weights more live nodes hold
             # win, and only between equal groups (a healed 2-2 split) the smaller hash.
             return None
+        if self.head is not None and best.round <= self.head.round \
+                and self._holders(best, now) < self._holders(self.head, now):
+            # Claimed work is the claimant's word: it never pulls a node back from weights that more live
+            # peers hold (to a group banned elsewhere for forging, whose own history claims more work).
+            return None
         return best, tuple(Head.of(w) for w in self.latest.values()
                            if self._usable(w, now) and Head.of(w).same_weights(best))
+
+    def _most_held(self, now: float) -> Head | None:
+        """A joiner's first weights: those the most live peers hold, then the best ranked. A joiner has no
+        history to weigh against a peer's claimed work, and one peer's claim (a member banned by everyone
+        else for forging, whose history diverged) must not outweigh what the many hold."""
+        groups: dict[tuple[int, str, str], list[Head]] = {}
+        for w in self.latest.values():
+            if self._usable(w, now):
+                head = Head.of(w)
+                groups.setdefault((head.round, head.weights_hash, head.state_hash), []).append(head)
+        if not groups:
+            return None
+        return min((min(heads, key=Head.rank) for heads in groups.values()),
+                   key=lambda h: (-len(groups[(h.round, h.weights_hash, h.state_hash)]), h.rank()))
 
     def _holders(self, head: Head, now: float) -> int:
         """Live peers whose latest announcement is ``head``'s weights."""
@@ -922,15 +1040,16 @@ class TaskMachine:
             updates = {p: u for p, u in rec.updates.items() if u.base_hash == self.head.weights_hash}
             aggregates = {s: {a: m for a, m in got.items() if set(m.included) <= set(updates)}
                           for s, got in rec.aggregates.items()}
-            rec = self.rounds_seen[r] = RoundState(index=r, updates=updates, heard_updates=set(updates),
+            rec = self.rounds_seen[r] = RoundState(index=r, updates=updates,
+                                                   heard_updates={p: [u] for p, u in updates.items()},
                                                    aggregates=aggregates, weights=dict(rec.weights))
             self._members_cache.pop(r, None)
         rec.base, rec.started_at = self.head, now
         rec.producing = r >= self.produce_from
         for producer in [p for p, u in rec.updates.items() if u.base_hash != self.head.weights_hash]:
             del rec.updates[producer]
-            rec.heard_updates.discard(producer)
             self.dropped["wrong_base"] += 1
+        self._keep_heard_from(rec, self.head.weights_hash)
         rec.updated_of = None
         self._members_cache.pop(r, None)
         self.detail = ""
@@ -1045,7 +1164,8 @@ class TaskMachine:
         """A member counted when the round collected still owes its aggregate or vote: it is live, has not
         joined again since (a restarted process or a re-synced node never sends the old one's), and has
         not said it holds a later round's weights."""
-        if not self.live(peer, now) or self._joined_at.get(peer, float("-inf")) > rec.collected_at:
+        if not self.live(peer, now) or self._joined_at.get(peer, float("-inf")) > rec.collected_at \
+                or peer in self.audit.banned:
             return False
         pos = self.position.get(peer)
         return pos is None or pos[0] <= rec.index + 1
@@ -1060,29 +1180,62 @@ class TaskMachine:
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
-        heard = rec.heard_updates
+        heard = rec.heard_inputs
         eligible = set(rec.members)
+        banned = self.audit.banned
         chosen, complete, unknown = [], True, False
+        checks: list[Effect] = []
+        unverified: list[int] = []
+        """Slices whose chosen aggregate waits for a recomputation: at the deadline they count as missing."""
         for s in range(self.num_slices):
             expected = rec.aggregators.get(s, ())
-            got = {a: m for a, m in rec.aggregates.get(s, {}).items() if a in expected or a in eligible}
+            got = {a: m for a, m in rec.aggregates.get(s, {}).items()
+                   if (a in expected or a in eligible) and a not in banned}
             if not got:
                 complete = False
                 continue
-            key = (len(got), len(heard))
+            key = (len(got), len(heard), len(banned), len(rec.aggregates[s]), len(rec.unverifiable))
             cached = rec.ranked.get(s)
             if cached is None or cached[0] != key:
-                cached = rec.ranked[s] = (key, choose_aggregate(got.values(), heard),
-                                          any(p not in heard for m in got.values() for p in m.included))
+                cands = [m for m in got.values() if m.key() not in rec.unverifiable] or list(got.values())
+                cached = rec.ranked[s] = (
+                    key, choose_aggregate(cands, heard),
+                    any((p, s, i) not in heard for m in got.values() for p, i in zip(m.included, m.inputs)),
+                    # Banned aggregators' results count here: a slice that had a forgery is checked to the end.
+                    len({m.result_hash for m in rec.aggregates[s].values()}) > 1)
             best = cached[1]
             unknown = unknown or cached[2]
-            chosen.append(best)
             # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
             # so after a heartbeat window (for updates of peers we did not count, which other
             # aggregators list) the slice need not wait for the other aggregators.
             settled = collected <= set(best.included) and now >= rec.collected_at + self.quiet_after_s
-            if not settled and any(a not in got and self._owes(a, rec, now) for a in expected):
+            waiting = not settled and any(a not in got and self._owes(a, rec, now) for a in expected)
+            # An aggregate is applied as it is when we made it or another aggregator vouches for it (the same
+            # inputs, the same result). Aggregators that disagree, an aggregate nobody else will confirm, or a
+            # spot check: it is recomputed from its inputs and applied only if it matches.
+            confirmed = best.aggregator == self.self_id or any(
+                m is not best and m.result_hash == best.result_hash and m.key() == best.key() for m in got.values())
+            check = cached[3] or (not confirmed and not waiting) or (rec.producing and self._spot(rec, s))
+            if check and best.aggregator != self.self_id and not self.audit.verdict(best.key())[0]:
+                updates = self._inputs_of(rec, best)
                 complete = False
+                if updates is not None:
+                    checks += self.audit.ask(best, updates)
+                elif rec.unknown_since is not None and now >= rec.unknown_since + self.quiet_after_s:
+                    # It lists an input that never came, so it cannot be recomputed: the slice takes the
+                    # best aggregate that can be (or none, and the round fails), on the next pass.
+                    rec.unverifiable.add(best.key())
+                    if all(m.key() in rec.unverifiable for m in got.values()):
+                        continue
+                    rec.redo = True
+                unverified.append(s)
+                continue
+            chosen.append(best)
+            if waiting:
+                complete = False
+        if rec.redo:
+            rec.redo = False
+            return checks + self._check_gather(rec, now)
         if unknown:
             # An aggregate lists an update we have not heard: gossip brings an honest one within a
             # heartbeat window, and until then another node could rank this slice's aggregates otherwise.
@@ -1090,20 +1243,28 @@ class TaskMachine:
             complete = complete and now >= rec.unknown_since + self.quiet_after_s
         if not complete and now < rec.collected_at + self.round_deadline_s:
             # An aggregator still collecting may have lost our update, and a member our aggregate.
-            return self._regossip(rec, now)
+            return checks + self._regossip(rec, now)
         self._move(rec, "gathered")
         late = tuple(sorted({a for s in range(self.num_slices) for a in rec.aggregators.get(s, ())
                              if a not in rec.aggregates.get(s, {}) and self._owes(a, rec, now)}))
-        overdue = [Overdue(rec.index, "gathering", late)] if not complete and late else []
+        overdue = [*checks, *([Overdue(rec.index, "gathering", late)] if not complete and late else [])]
         if len(chosen) < self.num_slices:
             rec.chosen = ()
             missing = self.num_slices - len(chosen)
-            return [*overdue, Apply(rec.index, (), (), f"{missing} slice(s) got no aggregate in time")]
+            why = f"{len(unverified)} slice(s) not recomputed in time" if unverified else \
+                f"{missing} slice(s) got no aggregate in time"
+            return [*overdue, Apply(rec.index, (), (), why)]
         rec.chosen = tuple(chosen)
         same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
                      for c in chosen)
         best = self._best_known(now) if not rec.producing else None
         return [*overdue, Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
+
+    def _spot(self, rec: RoundState, s: int) -> bool:
+        drawn = rec.spot.get(s)
+        if drawn is None:
+            drawn = rec.spot[s] = self.spot_check > 0 and self.rng.random() < self.spot_check
+        return drawn
 
     def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
         voters = rec.weights
@@ -1120,7 +1281,7 @@ class TaskMachine:
         # Only the round's members vote: weights from a node that was not counted in the round (a
         # joiner that counted itself early, a node on another history) are no vote on it.
         counted = set(rec.members)
-        voters = {p: w for p, w in voters.items() if p in counted}
+        voters = {p: w for p, w in voters.items() if p in counted and p not in self.audit.banned}
         winner, num_for, num_against = vote(rec.mine, voters)
         effects: list[Effect] = [Overdue(rec.index, "voting", late)] if late else []
         effects += [Dissent(rec.index, p, w.weights_hash) for p, w in sorted(voters.items()) if w.weights_hash != winner]
@@ -1153,6 +1314,7 @@ class TaskMachine:
                 "head": self.head.round if self.head else None, "work": self.head.work if self.head else 0,
                 "members": self.members(rec, now) if rec is not None and rec.base is not None else [],
                 "updates": len(rec.updates) if rec else 0, "dropped": dict(self.dropped),
+                "banned": sorted(self.audit.banned),
                 "announced": self.announced()}
 
     def announced(self, limit: int = 64) -> dict[str, dict]:
@@ -1165,4 +1327,7 @@ class TaskMachine:
 
 _HANDLERS = {kind: getattr(TaskMachine, f"_on_{kind.__name__}")
              for kind in (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, Trained, Aggregated, Applied,
-                          Synced, SyncFailed, WorkFailed, PeerGone)}
+                          Synced, SyncFailed, WorkFailed, PeerGone, Verified, Accused)}
+_SENDER = {TaskJoin: "peer_id", UpdateAnnounce: "producer", AggregateAnnounce: "aggregator", WeightsAnnounce: "peer_id",
+           Accused: "accuser"}
+"""The field naming a message's signer: nothing a banned peer says counts."""

@@ -139,7 +139,8 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
                 got = await exchange.aggregate(Aggregate(round=r, slice=s, updates=tuple(updates)))
                 assert got is not None and len(got.included) == producers
                 chosen.append(AggregateAnnounce(task_id=TASK_ID, round=r, slice=s, aggregator=me.peer_id,
-                                                included=got.included, manifest_id=got.manifest_id,
+                                                included=got.included, inputs=got.inputs,
+                                                manifest_id=got.manifest_id,
                                                 result_hash=got.result_hash))
             phases.add("aggregate", t)
             t = time.perf_counter()

@@ -10,8 +10,10 @@ import dataclasses
 import hashlib
 import heapq
 import itertools
+import random
 from collections import deque
 
+from protocol.audit import Accused, Audit, FalseAccusation, Forged, Verified, Verify
 from protocol.heard import HeardLog
 from protocol.round import Head
 from protocol.task import TaskJoin, WeightsAnnounce
@@ -34,11 +36,24 @@ def h(*parts) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+class BlindAudit(Audit):
+    """A forger's: it never bans anyone (its own lies would make it ban the honest aggregators it contradicts)."""
+
+    def judge(self, a, *, accuser=None) -> list:
+        return []
+
+
+def truth(r: int, slice_index: int, updates) -> str:
+    """What aggregating these updates' slices gives: a deterministic function of the inputs, as on a node."""
+    return h("agg", r, slice_index, tuple((u.producer, u.manifest_ids[slice_index]) for u in updates))
+
+
 INIT = Head(round=0, weights_hash=h("init"), state_hash=h("init-state"), work=0)
 
 
 class Swarm:
-    def __init__(self, names, *, rounds=10, slices=2, k=2, min_members=1, listen_s=5.0, lie=(), sync_s=0.0):
+    def __init__(self, names, *, rounds=10, slices=2, k=2, min_members=1, listen_s=5.0, lie=(), sync_s=0.0, forge=(),
+                 spot_check=0.0, seed=0):
         self.now = 0.0
         self.apply_s: dict[str, float] = {}
         """Per node, simulated seconds its Apply takes (a slow trainer); others apply at once."""
@@ -56,6 +71,13 @@ class Swarm:
         self.inflate: dict[str, int] = {}
         """Per node, work it adds to what its weights announcements claim (a lying or mistaken member)."""
         self.mute: set[str] = set()
+        self.forge: set[str] = set(forge)
+        """Aggregators whose aggregates do not match their inputs (a valid hash and signature over a wrong result,
+        each its own lie), and which never check anyone's: their machines judge nothing."""
+        self.spot_check, self.seed = spot_check, seed
+        self.forged: list[tuple[str, Forged]] = []
+        self.false_accusations: list[tuple[str, FalseAccusation]] = []
+        self.verifications = 0
         self.slow_links: dict[tuple[str, str, type], float] = {}
         """(sender, receiver, message type): simulated seconds such messages take to reach the receiver."""
         self.saved: dict[str, Head] = {}
@@ -76,7 +98,10 @@ class Swarm:
     def add(self, name: str, saved: Head | None = None) -> None:
         m = TaskMachine(task_id=TASK, self_id=name, rounds=self.rounds, num_slices=self.slices,
                         aggregators_per_slice=self.k, round_deadline_s=DEADLINE_S, quiet_after_s=QUIET_S,
-                        listen_s=self.listen_s, min_members=self.min_members, max_members=100_000, max_samples=1000)
+                        listen_s=self.listen_s, min_members=self.min_members, max_members=100_000, max_samples=1000,
+                        spot_check=self.spot_check, rng=random.Random(f"{self.seed}/{name}"))
+        if name in self.forge:
+            m.audit = BlindAudit()
         self.machines[name] = m
         self.announced.pop(name, None)
         self.group.setdefault(name, 0)
@@ -156,9 +181,21 @@ class Swarm:
                                             Trained(round=e.round, samples=10, manifest_ids=ids, losses=(1.0,))))
             elif isinstance(e, Aggregate) and name not in self.mute:
                 included = tuple(u.producer for u in e.updates)
-                result = h("agg", e.round, e.slice, tuple((u.producer, u.manifest_ids[e.slice]) for u in e.updates))
-                self.local(name, Aggregated(round=e.round, slice=e.slice, included=included, manifest_id=result,
-                                            result_hash=result))
+                result = truth(e.round, e.slice, e.updates)
+                if name in self.forge:
+                    result = h("forged", name, result)
+                self.local(name, Aggregated(round=e.round, slice=e.slice, included=included,
+                                            inputs=tuple(u.manifest_ids[e.slice] for u in e.updates),
+                                            manifest_id=result, result_hash=result))
+            elif isinstance(e, Verify):
+                self.verifications += 1
+                self.local(name, Verified(key=e.key, result_hash=truth(e.round, e.slice, e.updates)))
+            elif isinstance(e, Forged):
+                self.forged.append((name, e))
+                if e.prove:
+                    self.broadcast(name, Accused(aggregate=e.aggregate, accuser=name))
+            elif isinstance(e, FalseAccusation):
+                self.false_accusations.append((name, e))
             elif isinstance(e, Apply):
                 base = self.machines[name].head
                 new = h(base.weights_hash, tuple(a.result_hash for a in e.chosen)) if e.chosen else base.weights_hash
@@ -288,7 +325,8 @@ class Swarm:
         return m.head.round if m.head else 0
 
     def all_done(self) -> bool:
-        return all(self.machines[n].stage is Stage.DONE for n in self.alive())
+        """Every live honest node finished (a forger, banned everywhere, may never finish)."""
+        return all(self.machines[n].stage is Stage.DONE for n in self.alive() if n not in self.forge)
 
     def run_until(self, predicate, limit_s: float, step_s: float = 1.0) -> float:
         start = self.now
@@ -300,8 +338,17 @@ class Swarm:
         return self.now - start
 
     def disagreements(self) -> dict[int, set[str]]:
-        """Rounds where nodes recorded different weights hashes."""
-        by_round: dict[int, set[str]] = {}
+        """Rounds where honest nodes (all but the forgers) recorded different weights hashes.
+
+        With forgers in the swarm, only the rounds each node closed count: a newcomer may first sync to
+        the forgers' history (it cannot know they are banned) before it hears the members' and moves."""
+        if self.forge:
+            by_round: dict[int, set[str]] = {}
+            for n, e in self.closed:
+                if n not in self.forge:
+                    by_round.setdefault(e.round, set()).add(e.weights_hash)
+            return {r: s for r, s in by_round.items() if len(s) > 1}
+        by_round = {}
         for n, hist in self.history.items():
             for r, wh in hist.items():
                 by_round.setdefault(r, set()).add(wh)

@@ -106,8 +106,11 @@ def test_round_messages_validate():
     with pytest.raises(ValueError):
         UpdateAnnounce(task_id=tid, round=0, producer="p", base_hash=h, samples=0, manifest_ids=(h,), losses=())
     with pytest.raises(ValueError, match="sorted"):
-        AggregateAnnounce(task_id=tid, round=0, slice=0, aggregator="a", included=("b", "a"), manifest_id=h,
-                          result_hash=h)
+        AggregateAnnounce(task_id=tid, round=0, slice=0, aggregator="a", included=("b", "a"), inputs=(h, h),
+                          manifest_id=h, result_hash=h)
+    with pytest.raises(ValueError, match="inputs"):
+        AggregateAnnounce(task_id=tid, round=0, slice=0, aggregator="a", included=("a", "b"), inputs=(h,),
+                          manifest_id=h, result_hash=h)
     with pytest.raises(ValueError):
         WeightsAnnounce(task_id=tid, round=0, peer_id="p", weights_hash=h, state_hash=h, state_manifest="",
                         eval_loss=float("nan"), work=0)
@@ -134,7 +137,7 @@ def test_the_training_share_is_an_optional_tail_of_weights_announcements():
     assert decode(encode(without)) == without and decode(encode(with_share)) == with_share
 
 
-LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\n"
+LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\nspot_check = 0\n"
 LEGACY_ID = "b638cfee3a1f3361f696c7e8986bbd5de8d00557ff3c5c3c6896149506a6489c"
 """SPEC_TOML's task id before TaskSpec had an aggregation field (computed by that code)."""
 
@@ -150,9 +153,20 @@ def test_a_spec_from_before_the_aggregation_option_keeps_its_encoding_and_id():
 def test_the_aggregation_option_travels_and_changes_the_id():
     spec = load_spec_toml(SPEC_TOML + "[task.aggregation]\nrule = \"trimmed_mean\"\ntrim_fraction = 0.2\n"
                                       "norm_bound = 3\n")
-    assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0)
+    assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05)
     assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
     assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec))
+
+
+def test_spot_checks_travel_in_the_spec_and_an_aggregation_table_from_before_them_decodes():
+    spec = load_spec_toml(SPEC_TOML + "[task.aggregation]\nspot_check = 0.25\n")
+    assert spec.aggregation.spot_check == 0.25 and decode(encode(spec)) == spec
+    wire = msgpack.unpackb(encode(spec))
+    assert wire[-1][-1] == 0.25
+    wire[-1] = wire[-1][:-1]  # the table as it went on the wire before spot checks existed
+    assert decode(msgpack.packb(wire)).aggregation.spot_check == 0.0
+    with pytest.raises(ConfigError, match="spot_check"):
+        load_spec_toml(SPEC_TOML + "[task.aggregation]\nspot_check = 1.5\n")
 
 
 def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
