@@ -135,6 +135,12 @@ def print_task(t: dict, console: Console | None = None) -> None:
         head.add_row("time", f"{train_s:.1f} s training, {round_s:.1f} s in rounds{share}")
         dropped = t.get("dropped", {})
         head.add_row("rejected", ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "none")
+        if t.get("banned"):
+            head.add_row("banned", "\n".join(t["banned"]))
+        for f in t.get("forgeries", []):
+            head.add_row("forged aggregate", f"round {f['round']} slice {f['slice']} by {f['aggregator']}: announced "
+                         f"{f['announced'][:16]}, its inputs give {f['recomputed'][:16]}"
+                         + ("" if f.get("found_here") else " (a peer's proof, recomputed here)"))
         head.add_row("members", "\n".join(t.get("members", [])) or "-")
     console.print(head)
     peers = t.get("peers", [])

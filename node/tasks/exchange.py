@@ -17,6 +17,7 @@ import trio
 from node.tasks import compute, robust
 from node.train.compress import BITS
 from node.train.diloco import load_named
+from protocol.audit import UNDECODABLE, Verified, Verify
 from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.keys import Keypair
@@ -199,10 +200,53 @@ class Exchange:
         included = tuple(sorted(p for p in got if p not in bad))
         if data is None or not included:
             return None
+        if bad:
+            # The aggregate lists exactly what went into it: recombined without the undecodable slices.
+            data, _ = await trio.to_thread.run_sync(robust.aggregate_slice, {p: got[p] for p in included}, numel,
+                                                    self.spec.aggregation, self.bits)
         m = await self._publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")
         self._aggregates.setdefault(job.round, set()).add(manifest_id(m))
-        return Aggregated(round=job.round, slice=job.slice, included=included, manifest_id=_manifest_hex(m),
-                          result_hash=payload_hash(m, data))
+        by_producer = {u.producer: u for u in job.updates}
+        return Aggregated(round=job.round, slice=job.slice, included=included,
+                          inputs=tuple(by_producer[p].manifest_ids[job.slice] for p in included),
+                          manifest_id=_manifest_hex(m), result_hash=payload_hash(m, data))
+
+    async def verify(self, job: Verify) -> Verified:
+        """Recompute an aggregate from exactly the slices it lists (fetched from their producers or any
+        holder) and hash it as its aggregator would have; None when an input could not be fetched."""
+        numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
+        got: dict[str, tuple[object, int]] = {}
+        undecodable, missing = [], []
+
+        async def one(update) -> None:
+            try:
+                _, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
+                                                    deadline_s, kept=self._slices, round_=job.round, bits=self.bits)
+                got[update.producer] = (data, update.samples)
+            except RemoteProtocolError:
+                # The manifest its producer signed is no slice of this size: every node finds the same.
+                undecodable.append(update.producer)
+            except (TransportError, trio.TooSlowError) as exc:
+                log.info("task %s round %d: slice %d of %s not fetched to check an aggregate: %s", self.tid[:12],
+                         job.round, job.slice, update.producer, str(exc) or "timed out")
+                missing.append(update.producer)
+
+        async with trio.open_nursery() as nursery:
+            for update in job.updates:
+                nursery.start_soon(one, update)
+        if undecodable:
+            return Verified(key=job.key, result_hash=UNDECODABLE)
+        if missing:
+            return Verified(key=job.key, result_hash=None)
+        try:
+            data, bad = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel, self.spec.aggregation,
+                                                      self.bits)
+        except IntegrityError:
+            bad = list(got)
+        if bad:
+            return Verified(key=job.key, result_hash=UNDECODABLE)
+        return Verified(key=job.key, result_hash=hashlib.sha256(
+            compute.tensor_bytes(data) if hasattr(data, "data_ptr") else data).hexdigest())
 
     def _intact(self, manifest: Manifest) -> bool:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,13 @@ from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
+from protocol.audit import Accused, FalseAccusation, Forged, Verify, open_proof
 from protocol.envelope import open_sealed, seal
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.rendezvous import assign_shards
 from protocol.round import Head
-from protocol.task import TASK_MESSAGES, DatasetOffer, TaskSpec, WeightsAnnounce, task_topic
+from protocol.task import (TASK_MESSAGES, AggregateAnnounce, AggregateProof, DatasetOffer, TaskSpec, WeightsAnnounce,
+                           task_topic)
 from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, MakeInitial, Overdue,
                                    PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine, Train, Trained,
                                    WorkFailed)
@@ -43,6 +46,9 @@ MAX_STATUS_ROUNDS = 200
 MAX_TRAINER_RESTARTS = 3
 TRAINER_RESTART_WINDOW_S = 600.0
 EVENT_QUEUE = 1024
+SEALED_AGGREGATES = 4096
+"""Aggregates kept as their aggregators sealed them: a forged one is proven with its own signature."""
+MAX_FORGERIES = 32
 
 
 def head_of(state: compute.OuterState | None, peer_id: str = "") -> Head | None:
@@ -62,7 +68,8 @@ class TaskRunner:
             task_id=tid, self_id=self.me, rounds=spec.rounds, num_slices=spec.aggregation_shards,
             aggregators_per_slice=spec.aggregators_per_shard, round_deadline_s=spec.round_deadline_s,
             quiet_after_s=cfg.suspect_after_s, listen_s=options.listen_s, min_members=spec.min_members,
-            max_members=spec.max_members, max_samples=spec.inner_steps * spec.batch_size)
+            max_members=spec.max_members, max_samples=spec.inner_steps * spec.batch_size,
+            spot_check=spec.aggregation.spot_check)
         self.hf = HFTask(self) if spec.hf is not None else None
         """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
@@ -74,6 +81,9 @@ class TaskRunner:
         """One row per round this node closed or caught up to, kept on disk across restarts."""
         self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if a.get("eval_loss") is not None]
         self.dissents: list[dict] = []
+        self.forgeries: list[dict] = []
+        """Aggregates this node found or confirmed forged, their aggregators banned from the task."""
+        self._sealed_aggregates: OrderedDict[tuple[int, int, str], bytes] = OrderedDict()
         self.latest_weights: bytes = b""
         self.spec_heard_at = -math.inf
         """When another peer last re-gossiped this task's spec (set by the task service)."""
@@ -108,6 +118,7 @@ class TaskRunner:
             "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
             "eval_losses": [[i, round(x, 4)] for i, x in self.eval_losses],
             "agreement": self.agreement[-MAX_STATUS_ROUNDS:], "dissents": self.dissents[-5:],
+            "banned": m["banned"], "forgeries": self.forgeries[-5:],
             "bytes": {"sent": stats.bytes_served - self._bytes_at_start[0],
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
             "dropped": m["dropped"],
@@ -148,7 +159,8 @@ class TaskRunner:
         if signed is None:
             return False
         m = signed.message
-        claimed = getattr(m, "peer_id", None) or getattr(m, "producer", None) or getattr(m, "aggregator", None)
+        claimed = getattr(m, "peer_id", None) or getattr(m, "producer", None) or getattr(m, "aggregator", None) \
+            or getattr(m, "accuser", None)
         if m.task_id != self.tid or (claimed is not None and claimed != signed.signer):
             self.node.membership.penalize(msg.origin, "impersonation")
             return False
@@ -173,10 +185,28 @@ class TaskRunner:
                 continue  # judged by the validator
             if signed.signer == self.me:
                 continue  # the machine took our own messages into account when it made them
-            if isinstance(signed.message, DatasetOffer):
-                self.exchange.on_offer(signed.message)
+            m = signed.message
+            if isinstance(m, DatasetOffer):
+                self.exchange.on_offer(m)
+            elif isinstance(m, AggregateProof):
+                accused = self._accused(m, msg.origin)
+                if accused is not None:
+                    await self._send.send(accused)
             else:
-                await self._send.send(signed.message)
+                if isinstance(m, AggregateAnnounce):
+                    self._sealed_aggregates[(m.round, m.slice, m.aggregator)] = msg.data
+                    while len(self._sealed_aggregates) > SEALED_AGGREGATES:
+                        self._sealed_aggregates.popitem(last=False)
+                await self._send.send(m)
+
+    def _accused(self, proof: AggregateProof, origin: str) -> Accused | None:
+        """The aggregate inside a proof, if its aggregator really signed it for this task; the machine judges
+        the rest by recomputing it."""
+        opened = open_proof(proof, self.tid, max_bytes=MAX_TASK_MESSAGE_BYTES)
+        if isinstance(opened, str):
+            self.node.membership.penalize(origin, opened)
+            return None
+        return opened
 
     async def _announce(self) -> None:
         """Re-gossip the spec and our latest weights, so peers that arrive later can find and join us.
@@ -294,6 +324,14 @@ class TaskRunner:
                 self._nursery.start_soon(self._work, self._produce, e)
             elif isinstance(e, Aggregate):
                 self._nursery.start_soon(self._work, self._aggregate, e)
+            elif isinstance(e, Verify):
+                self._nursery.start_soon(self._work, self.exchange.verify, e)
+            elif isinstance(e, Forged):
+                self._forged(e)
+            elif isinstance(e, FalseAccusation):
+                log.warning("task %s round %d: %s accused %s of a forged aggregate that recomputes exactly",
+                            self.tid[:12], e.aggregate.round, e.accuser, e.aggregate.aggregator)
+                self.node.membership.penalize(e.accuser, "false_accusation")
             elif isinstance(e, Apply):
                 self._nursery.start_soon(self._work, self._apply, e)
             elif isinstance(e, FetchState):
@@ -317,6 +355,20 @@ class TaskRunner:
                          [round(x, 4) for _, x in self.eval_losses])
         # Phases change with effects; the status reads them between events.
         self._set_phase()
+
+    def _forged(self, e: Forged) -> None:
+        a = e.aggregate
+        log.warning("task %s round %d: the aggregate of slice %d by %s does not match the updates it lists "
+                    "(announced %s, they give %s); %s is banned from the task", self.tid[:12], a.round, a.slice,
+                    a.aggregator, a.result_hash[:16], e.result_hash[:16], a.aggregator)
+        self.forgeries = (self.forgeries + [{"round": a.round, "slice": a.slice, "aggregator": a.aggregator,
+                                             "announced": a.result_hash, "recomputed": e.result_hash,
+                                             "found_here": e.prove}])[-MAX_FORGERIES:]
+        self.node.membership.penalize(a.aggregator, "forged_aggregate")
+        sealed = self._sealed_aggregates.get((a.round, a.slice, a.aggregator))
+        if e.prove and sealed is not None:
+            self._nursery.start_soon(self._publish, AggregateProof(task_id=self.tid, accuser=self.me, aggregate=sealed,
+                                                                   result_hash=e.result_hash))
 
     async def _work(self, fn, effect) -> None:
         """Run one piece of work; its result (or the trainer's failure) goes back to the machine as an event.

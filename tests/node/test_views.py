@@ -33,3 +33,12 @@ def test_task_show_lists_each_node_with_its_training_share():
 def test_task_show_of_a_declined_task_has_no_node_table():
     text = shown({"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "declined", "reason": "needs a GPU"})
     assert "declined (needs a GPU)" in text and "training share" not in text
+
+
+def test_task_show_names_a_banned_forger_and_what_its_aggregate_should_have_been():
+    text = shown({"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "joined", "phase": "round 3: training",
+                  "round": 3, "rounds": 10, "members": [A], "dropped": {"banned": 4}, "banned": [B],
+                  "forgeries": [{"round": 1, "slice": 0, "aggregator": B, "announced": "ee" * 32, "recomputed": "11" * 32,
+                                 "found_here": False}]})
+    assert "banned: 4" in text and f"round 1 slice 0 by {B}" in text
+    assert "its inputs give 1111111111111111 (a peer's proof, recomputed here)" in text
