@@ -68,9 +68,11 @@ class SwarmNode:
     exit_code: int | None = None
     ready_event: threading.Event = field(default_factory=threading.Event)
     log_path: Path | None = None
+    module: str = "node.cli"
+    """What ``python -m`` runs: Shoal's CLI, or a test's modified node (a hostile peer) that wraps it."""
 
     def start(self, bootstrap: str | None, extra_args: list[str], extra_env: dict[str, str]) -> None:
-        argv = [sys.executable, "-m", "node.cli", "start", "--data-dir", str(self.data_dir), "--listen", self.listen,
+        argv = [sys.executable, "-m", self.module, "start", "--data-dir", str(self.data_dir), "--listen", self.listen,
                 "--control-port", str(self.control_port), "--no-mdns", *extra_args]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]

@@ -1,0 +1,53 @@
+"""Real node processes against a hostile one: a member that forges its aggregates is caught by
+recomputation, proven and banned on every honest node, and nothing it forged is applied."""
+
+import time
+
+import pytest
+
+from scripts.local_swarm import Swarm
+from tests.integration.test_task_processes import ENV, tiny_fields, wait_for
+from scripts.swarm_task import TaskRun
+
+pytestmark = [pytest.mark.slow]
+
+ROUNDS = 6
+
+
+@pytest.mark.timeout(300)
+def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_path):
+    swarm = Swarm(4, tmp_path, env=ENV)
+    forger = swarm.nodes[3]
+    forger.module = "tests.integration.forging_node"
+    honest = swarm.nodes[:3]
+    try:
+        swarm.start(watch_interval_s=0.3)
+        wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
+        run = TaskRun(swarm, {**tiny_fields(ROUNDS, inner_steps=20), "aggregators_per_shard": 2})
+        swarm.task_id = run.publish()
+        wait_for(lambda: all(run.mine(n).get("phase") == "finished" for n in honest), 200,
+                 "the honest nodes finish", swarm)
+        for node in honest:
+            node.status = node.call("/status")
+    finally:
+        swarm.stop()
+    bad = forger.peer_id
+    tasks = [node.status["task"] for node in honest]
+    for task in tasks:
+        assert task["banned"] == [bad], task["banned"]
+    # Proven: the nodes that recomputed a forged aggregate say so, naming what its inputs gave.
+    found = [f for task in tasks for f in task["forgeries"]]
+    assert found and all(f["aggregator"] == bad and f["announced"] != f["recomputed"] for f in found)
+    assert any(f["found_here"] for f in found)
+    assert all(bad in node.status["banned_peers"] for node in honest)
+    # Nothing forged was applied: the honest nodes agree on every round and their loss falls as it
+    # does without an attacker (a -10x aggregate applied once sends it up by orders of magnitude).
+    rounds = {}
+    for task in tasks:
+        for row in task["agreement"]:
+            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    assert sorted(rounds) == list(range(ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    losses = [x for _, x in tasks[0]["eval_losses"]]
+    assert losses and losses[-1] < losses[0] and max(losses) < losses[0] * 1.05, losses
+    logs = [(node.data_dir / "node.log").read_text() for node in honest]
+    assert any("does not match the updates it lists" in text for text in logs)
