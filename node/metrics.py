@@ -143,6 +143,10 @@ def task_samples(node) -> Iterable[Sample]:
                        {**task, "peer": p["peer_id"]}, p["train_share"])
         yield ("shoal_task_train_seconds_total", "counter", "Seconds the trainer child trained", task,
                t.get("train_seconds", 0.0))
+        yield ("shoal_task_verify_seconds_total", "counter", "Seconds spent recomputing others' aggregates "
+               "(their inputs' fetch included)", task, t.get("verify_seconds", 0.0))
+        yield ("shoal_task_verifications_total", "counter", "Aggregates this node recomputed", task,
+               t.get("verifications", 0))
         yield ("shoal_task_trainer_restarts_total", "counter", "Times the trainer child died and was restarted",
                task, t.get("trainer_restarts", 0))
         outcomes = {"agreed": 0, "dissent": 0, "caught_up": 0}

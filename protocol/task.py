@@ -42,6 +42,7 @@ MAX_ID_CHARS = 128
 HEX_HASH_CHARS = 64
 MAX_LOSSES = 64
 DEFAULT_TASK_SPEC_BYTES = 16 * 1024
+MAX_TRAINERS = 200
 MAX_PROOF_BYTES = 60 * 1024
 """A sealed aggregate inside a proof: the proof must still fit a task message (64 KiB)."""
 
@@ -211,7 +212,7 @@ class AggregationSpec:
         _need(_finite(self.spot_check) and 0 <= self.spot_check <= 1, "aggregation.spot_check must be within 0..1")
 
 
-@message(tag=24, optional_tail=("aggregation",))
+@message(tag=24, optional_tail=("aggregation", "trainers"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSpec:
     """What to train and how; its hash is the task id, the initiator's signature is on the envelope."""
@@ -244,6 +245,9 @@ class TaskSpec:
     aggregation: AggregationSpec = AggregationSpec()
     """The aggregation rule and the norm bound; left off the wire at its default, so specs from before
     it existed keep their encoding and their task id."""
+    trainers: tuple[str, ...] = ()
+    """Peer ids of the only nodes that may take part (train, aggregate, vote); empty: open to anyone.
+    A listed task keeps identities nobody vouched for out of its votes and its aggregation."""
 
     def __post_init__(self) -> None:
         # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
@@ -266,6 +270,13 @@ class TaskSpec:
         _need(1 <= self.min_members <= self.max_members <= MAX_MEMBERS,
               f"need 1 <= min_members <= max_members <= {MAX_MEMBERS}")
         _need(0 <= self.seed < 2**63 and 0 <= self.created_ms < 2**63, "seed and created_ms must fit in 63 bits")
+        _need(len(self.trainers) <= MAX_TRAINERS, f"trainers may list at most {MAX_TRAINERS} peer ids (a spec must fit "
+                                                  f"{DEFAULT_TASK_SPEC_BYTES // 1024} KiB)")
+        _need(len(set(self.trainers)) == len(self.trainers)
+              and all(isinstance(t, str) and _is_peer_id(t) for t in self.trainers),
+              "trainers must list distinct peer ids (as `shoal status` prints them), or be empty for an open task")
+        _need(not self.trainers or self.min_members <= len(self.trainers),
+              f"min_members ({self.min_members}) exceeds the {len(self.trainers)} listed trainers")
         if self.recipe in HF_RECIPES:
             self._check_hf()
             return
@@ -307,6 +318,14 @@ class TaskSpec:
 def task_id(spec: TaskSpec) -> str:
     """The task's id: hex sha256 of the spec's canonical encoding."""
     return hashlib.sha256(encode(spec)).hexdigest()
+
+
+def _is_peer_id(text: str) -> bool:
+    """A libp2p peer id as Shoal's keys print it (base58btc of an identity multihash of an Ed25519 key)."""
+    return 40 <= len(text) <= MAX_ID_CHARS and text.startswith("12D3KooW") and all(c in _BASE58 for c in text)
+
+
+_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
 def _check_id(value: str, what: str) -> None:
@@ -476,7 +495,7 @@ TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, D
 _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec,
         "aggregation": AggregationSpec}
 _OPTIONAL_TABLES: dict[type, set[str]] = {
-    TaskSpec: {"model", "hf", "aggregation"}, DatasetSpec: {"manifest", "heldout_fraction"},
+    TaskSpec: {"model", "hf", "aggregation", "trainers"}, DatasetSpec: {"manifest", "heldout_fraction"},
     Requirements: {"torch_version"}, HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
     AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check"},
 }

@@ -326,6 +326,8 @@ class TaskMachine:
     rng: random.Random = field(default_factory=random.Random)
     """Draws the spot checks: unpredictable to an aggregator, so it cannot know which slices go unchecked."""
     audit: Audit = field(default_factory=Audit)
+    trainers: frozenset[str] = frozenset()
+    """The spec's listed trainers: when set, nothing anyone else says counts."""
     stage: Stage = Stage.LISTENING
     head: Head | None = None
     detail: str = ""
@@ -559,9 +561,14 @@ class TaskMachine:
         if self.stage is Stage.FAILED or (not self._started and type(event) in _WORK_EVENTS):
             return []
         sender = _SENDER.get(type(event))
-        if sender is not None and getattr(event, sender) in self.audit.banned:
-            self.dropped["banned"] += 1
-            return []
+        if sender is not None:
+            who = getattr(event, sender)
+            if who in self.audit.banned:
+                self.dropped["banned"] += 1
+                return []
+            if self.trainers and who not in self.trainers:
+                self.dropped["not_listed"] += 1
+                return []
         return _HANDLERS[type(event)](self, event, now)
 
     def tick(self, now: float) -> list[Effect]:

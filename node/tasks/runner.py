@@ -69,7 +69,7 @@ class TaskRunner:
             aggregators_per_slice=spec.aggregators_per_shard, round_deadline_s=spec.round_deadline_s,
             quiet_after_s=cfg.suspect_after_s, listen_s=options.listen_s, min_members=spec.min_members,
             max_members=spec.max_members, max_samples=spec.inner_steps * spec.batch_size,
-            spot_check=spec.aggregation.spot_check)
+            spot_check=spec.aggregation.spot_check, trainers=frozenset(spec.trainers))
         self.hf = HFTask(self) if spec.hf is not None else None
         """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
@@ -95,6 +95,9 @@ class TaskRunner:
         self._eval: dict[int, float | None] = {}
         self._history_lock = trio.Lock()
         self.train_s = 0.0
+        self.verify_s = 0.0
+        """Wall seconds spent recomputing others' aggregates (fetching their inputs included)."""
+        self.verifications = 0
         """Seconds the trainer child reported training, all rounds together."""
         self.trainer = None
         """The trainer child while the task trains (None before it starts and once the task is done)."""
@@ -123,6 +126,7 @@ class TaskRunner:
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
             "dropped": m["dropped"],
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
+            "verify_seconds": round(self.verify_s, 2), "verifications": self.verifications,
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
             "peers": self._peer_rows(m),
@@ -325,7 +329,7 @@ class TaskRunner:
             elif isinstance(e, Aggregate):
                 self._nursery.start_soon(self._work, self._aggregate, e)
             elif isinstance(e, Verify):
-                self._nursery.start_soon(self._work, self.exchange.verify, e)
+                self._nursery.start_soon(self._work, self._verify, e)
             elif isinstance(e, Forged):
                 self._forged(e)
             elif isinstance(e, FalseAccusation):
@@ -427,6 +431,14 @@ class TaskRunner:
         ids = await self.exchange.publish_update(Path(result.out_path), job.round)
         return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
                        losses=tuple(x for _, x in result.losses[-8:]))
+
+    async def _verify(self, job: Verify):
+        started = trio.current_time()
+        try:
+            return await self.exchange.verify(job)
+        finally:
+            self.verify_s += trio.current_time() - started
+            self.verifications += 1
 
     async def _aggregate(self, job: Aggregate):
         return await self.exchange.aggregate(job)

@@ -77,6 +77,9 @@ class TaskService:
         allowed = self.options.allowed_initiators
         if allowed and initiator not in allowed:
             raise TaskRejected(f"initiator {initiator} is not in allowed_initiators")
+        me = self.node.keypair.peer_id
+        if spec.trainers and me not in spec.trainers:
+            raise TaskRejected(f"this node ({me}) is not among the task's {len(spec.trainers)} listed trainers")
         if spec.recipe not in KNOWN_RECIPES:
             raise TaskRejected(f"unknown recipe {spec.recipe!r}; this node runs {list(KNOWN_RECIPES)}")
         hardware = self.node.membership.hardware

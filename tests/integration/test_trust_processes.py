@@ -1,13 +1,13 @@
 """Real node processes against a hostile one: a member that forges its aggregates is caught by
 recomputation, proven and banned on every honest node, and nothing it forged is applied."""
 
-import time
+import json
 
 import pytest
 
 from scripts.local_swarm import Swarm
-from tests.integration.test_task_processes import ENV, tiny_fields, wait_for
 from scripts.swarm_task import TaskRun
+from tests.integration.test_task_processes import ENV, tiny_fields, wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -49,5 +49,11 @@ def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_
     assert sorted(rounds) == list(range(ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0] and max(losses) < losses[0] * 1.05, losses
+    # What checking cost: recomputations and their seconds beside the training's (shown with -s).
+    assert sum(task["verifications"] for task in tasks) >= 1
+    print(json.dumps({"verify_seconds": [task["verify_seconds"] for task in tasks],
+                      "verifications": [task["verifications"] for task in tasks],
+                      "train_seconds": [task["train_seconds"] for task in tasks],
+                      "eval_losses": losses}))
     logs = [(node.data_dir / "node.log").read_text() for node in honest]
     assert any("does not match the updates it lists" in text for text in logs)

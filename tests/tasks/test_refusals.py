@@ -53,6 +53,16 @@ async def test_initiator_not_allowed_is_declined(network, tmp_path):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_not_among_the_listed_trainers_declines(network, tmp_path):
+    async with trio.open_nursery() as nursery:
+        node = await one_node(nursery, tmp_path, network)
+        others = tuple(Keypair.from_label(f"listed-{i}").peer_id for i in range(3))
+        spec = tiny_spec(trainers=others)
+        known = await node.tasks.consider(spec, "someone", seal(spec, Keypair.from_label("x")))
+        assert known.decision == "declined" and "not among the task's 3 listed trainers" in known.reason
+        nursery.cancel_scope.cancel()
+
+
 async def test_spec_with_a_bad_signature_is_dropped_and_costs_the_sender(network, tmp_path):
     async with trio.open_nursery() as nursery:
         node = await one_node(nursery, tmp_path, network)

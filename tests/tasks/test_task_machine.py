@@ -703,3 +703,16 @@ def test_sixty_nodes_a_quarter_of_them_forging_agree_and_apply_nothing_forged():
 @pytest.mark.timeout(900)  # about 140 s of CPU on 2 cores
 def test_two_hundred_nodes_a_quarter_of_them_forging_agree_and_apply_nothing_forged():
     _byzantine_churn(200, seed=2)
+
+
+def test_a_task_listing_its_trainers_ignores_everyone_else_whatever_they_claim():
+    sim = Swarm(["a", "b", "c", "x"], rounds=4, slices=2, k=2, min_members=3, lie={"x"}, forge={"x"})
+    sim.inflate["x"] = 1_000
+    for name in "abc":
+        sim.machines[name].trainers = frozenset("abc")
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in "abc"), 120)
+    closed = [e for n, e in sim.closed if n in "abc"]
+    assert closed and all(e.members == 3 and e.agreed and not e.failed for e in closed)
+    assert not [e for n, e in sim.events if n in "abc" and isinstance(e, FetchState) and e.head.peer_id == "x"]
+    assert all(sim.machines[n].dropped["not_listed"] > 0 for n in "abc")
+    assert not sim.forged, "x's aggregates were never even considered"

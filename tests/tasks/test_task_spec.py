@@ -146,7 +146,7 @@ def test_a_spec_from_before_the_aggregation_option_keeps_its_encoding_and_id():
     spec = load_spec_toml(SPEC_TOML + LEGACY)
     assert spec.aggregation == AggregationSpec() and task_id(spec) == LEGACY_ID
     wire = msgpack.unpackb(encode(spec))
-    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - 1  # the field is left off at its default
+    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - 2  # both optional fields left off at their defaults
     assert decode(encode(spec)) == spec
 
 
@@ -155,7 +155,7 @@ def test_the_aggregation_option_travels_and_changes_the_id():
                                       "norm_bound = 3\n")
     assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05)
     assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
-    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec))
+    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 1  # trainers left off
 
 
 def test_spot_checks_travel_in_the_spec_and_an_aggregation_table_from_before_them_decodes():
@@ -176,6 +176,12 @@ def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
         decode(msgpack.packb(wire))
     wire[-1] = [AggregationSpec.TAG, "median", 0.25, 1.0, 0.0]
     assert decode(msgpack.packb(wire)).aggregation.rule == "median"
+    wire.append(["12D3KooW" + "a" * 44])  # trainers
+    assert decode(msgpack.packb(wire)).trainers == ("12D3KooW" + "a" * 44,)
+    wire[-1] = []
+    with pytest.raises(DecodeError, match="default"):  # an empty list is the default: left off, never sent
+        decode(msgpack.packb(wire))
+    wire[-1] = ["12D3KooW" + "a" * 44]
     wire.append("one too many")
     with pytest.raises(DecodeError, match="fields"):
         decode(msgpack.packb(wire))
@@ -200,3 +206,27 @@ def test_aggregation_mistakes_name_the_key(table, words):
     with pytest.raises(ConfigError) as info:
         load_spec_toml(SPEC_TOML + "[task.aggregation]\n" + table + "\n")
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_listed_trainers_travel_in_the_spec_and_change_its_id():
+    a, b = Keypair.from_label("trainer-a").peer_id, Keypair.from_label("trainer-b").peer_id
+    spec = load_spec_toml(SPEC_TOML.replace("[task]\n", f'[task]\ntrainers = ["{a}", "{b}"]\n', 1))
+    assert spec.trainers == (a, b) and decode(encode(spec)) == spec
+    assert task_id(spec) != task_id(load_spec_toml(SPEC_TOML))
+
+
+@pytest.mark.parametrize("trainers, match", [
+    ('["not-a-peer-id"]', "distinct peer ids"),
+    ('["{a}", "{a}"]', "distinct peer ids"),
+    ('"{a}"', "list of strings"),
+])
+def test_a_bad_trainers_list_is_refused_with_the_key_named(trainers, match):
+    a = Keypair.from_label("trainer-a").peer_id
+    with pytest.raises(ConfigError, match=match):
+        load_spec_toml(SPEC_TOML.replace("[task]\n", "[task]\ntrainers = " + trainers.replace("{a}", a) + "\n", 1))
+
+
+def test_listed_trainers_must_be_able_to_reach_min_members():
+    a = Keypair.from_label("trainer-a").peer_id
+    with pytest.raises(ConfigError, match="min_members"):
+        load_spec_toml(SPEC_TOML.replace("[task]\n", f'[task]\nmin_members = 2\ntrainers = ["{a}"]\n', 1))
