@@ -4,8 +4,8 @@ Every decision is the machine's (protocol/task_machine.py). This loop feeds it e
 message, the peer table's last-heard times and the results of the work it asked for, then sleeps
 until the next event or ``next_deadline()``. Work (training, aggregation, the outer step, fetching
 weights) runs in tasks of its own and reports back as an event, so nothing here blocks a message.
-Just past 500 lines: one effect executor with one branch per effect type reads best in one place; the
-tensor work it calls lives in compute.py and exchange.py.
+Past 500 lines: one effect executor with one branch per effect type reads best in one place; the
+tensor work it calls lives in compute.py and exchange.py, the judging of aggregates in protocol/audit.py.
 """
 
 from __future__ import annotations
