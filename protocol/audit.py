@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from protocol.envelope import open_sealed
 from protocol.errors import RemoteProtocolError
-from protocol.task import AggregateAnnounce, AggregateProof, UpdateAnnounce
+from protocol.task import AggregateAnnounce, AggregateProof
 
 Key = tuple[int, int, tuple[str, ...], tuple[str, ...]]
 
@@ -26,13 +26,24 @@ MAX_ACCUSATIONS_PER_KEY = 8
 
 
 @dataclass(frozen=True, slots=True)
+class Input:
+    """One slice an aggregate lists: its producer, the manifest (which its producer must have signed, labelled
+    for this round and slice), and the samples the producer's update claims (None: that update was not heard,
+    so a samples-weighted rule cannot be recomputed)."""
+
+    producer: str
+    manifest_id: str
+    samples: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Verify:
-    """Recompute slice ``slice`` of ``round`` from exactly these updates' slices (sorted by producer) with the
-    task's aggregation rule; answer Verified with ``key`` and the result's hash."""
+    """Recompute slice ``slice`` of ``round`` from exactly these inputs (sorted by producer) with the task's
+    aggregation rule; answer Verified with ``key`` and the result's hash."""
 
     round: int
     slice: int
-    updates: tuple[UpdateAnnounce, ...]
+    inputs: tuple[Input, ...]
     key: Key
 
 
@@ -71,7 +82,8 @@ class FalseAccusation:
 
 
 UNDECODABLE = "0" * 64
-"""The verdict for inputs of which one does not decode: no honest aggregate lists such a slice."""
+"""The verdict for inputs of which one is no slice of this round by its producer (not signed by it, labelled
+for another round or slice, or not decoding): no honest aggregate lists such a slice."""
 
 
 @dataclass
@@ -95,13 +107,13 @@ class Audit:
             return True, self.verdicts[key]
         return False, None
 
-    def ask(self, a: AggregateAnnounce, updates: tuple[UpdateAnnounce, ...]) -> list[Verify]:
+    def ask(self, a: AggregateAnnounce, inputs: tuple[Input, ...]) -> list[Verify]:
         """A Verify for ``a``'s key, unless one is under way or answered."""
         key = a.key()
         if key in self.asked or key in self.verdicts:
             return []
         self.asked.add(key)
-        return [Verify(a.round, a.slice, updates, key)]
+        return [Verify(a.round, a.slice, inputs, key)]
 
     def accuse(self, accuser: str, a: AggregateAnnounce) -> None:
         waiting = self.accusations.setdefault(a.key(), [])

@@ -31,15 +31,16 @@ def choose_aggregate(candidates, held=None) -> AggregateAnnounce:
     honest aggregators. Where equal coverage gives different results the smaller hash is only the
     candidate the task machine recomputes first (protocol/audit.py): it is applied only if it matches.
 
-    ``held``: the inputs this node heard, as (producer, slice, manifest id) of each signed update. Only
-    listed inputs found there count as covered, and between equal coverage the aggregate listing fewer
-    others wins: an aggregator that lists an invented producer, or a slice its producer never signed,
-    gains nothing by it (an invented producer used to win every slice its aggregator aggregated)."""
+    ``held``: the producers whose updates this node has heard. Only those count as covered, and between
+    equal coverage the aggregate listing fewer others wins: an aggregator that lists an invented producer
+    gains nothing by it (it used to win every slice it aggregated). Which of a producer's updates an
+    aggregate used does not rank it: a restarted producer signs a second one, and nodes that heard
+    different ones must still rank alike; a slice its producer never signed is caught by recomputation."""
     if held is None:
         return min(candidates, key=lambda m: (-len(m.included), m.result_hash))
 
     def rank(m: AggregateAnnounce) -> tuple:
-        known = sum(1 for p, i in zip(m.included, m.inputs) if (p, m.slice, i) in held)
+        known = sum(1 for p in m.included if p in held)
         return -known, len(m.included) - known, m.result_hash
     return min(candidates, key=rank)
 

@@ -23,7 +23,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from protocol.audit import Accused, Audit, FalseAccusation, Forged, Verified, Verify
+from protocol.audit import Accused, Audit, FalseAccusation, Forged, Input, Verified, Verify
 from protocol.heard import HeardLog
 from protocol.rendezvous import make_key, top
 from protocol.round import Head, aggregators, best_head, choose_aggregate, round_work, vote
@@ -277,8 +277,6 @@ class RoundState:
     """Per producer, its updates of this round (from its base) we heard, counted or too late to count:
     the updates an aggregate may list. Every node hears the same gossip, so every node ranks a
     slice's aggregates alike even where it closed collecting before a late joiner's update."""
-    heard_inputs: set[tuple[str, int, str]] = field(default_factory=set)
-    """(producer, slice, manifest id) of every update in ``heard_updates``: the inputs an aggregate may name."""
     unverifiable: set[tuple] = field(default_factory=set)
     """Keys of aggregates that needed a recomputation but list an input we never heard: never applied."""
     redo: bool = False
@@ -687,25 +685,26 @@ class TaskMachine:
         if msg in heard or len(heard) >= MAX_UPDATES_PER_PRODUCER:
             return
         heard.append(msg)
-        rec.heard_inputs.update((msg.producer, s, m) for s, m in enumerate(msg.manifest_ids))
 
     @staticmethod
     def _keep_heard_from(rec: RoundState, base_hash: str) -> None:
         """Only updates trained from ``base_hash`` are inputs an aggregate of this round may name."""
         heard = {p: [u for u in us if u.base_hash == base_hash] for p, us in rec.heard_updates.items()}
         rec.heard_updates = {p: us for p, us in heard.items() if us}
-        rec.heard_inputs = {(p, s, m) for p, us in rec.heard_updates.items() for u in us
-                            for s, m in enumerate(u.manifest_ids)}
 
     @staticmethod
-    def _inputs_of(rec: RoundState, a: AggregateAnnounce) -> tuple[UpdateAnnounce, ...] | None:
-        """The signed updates whose slices ``a`` lists, or None when we have not heard one of them."""
+    def _inputs_of(rec: RoundState, a: AggregateAnnounce) -> tuple[Input, ...] | None:
+        """What recomputing ``a`` takes, or None when it lists a producer we have not heard this round (or one
+        banned). A listed manifest we did not hear (a producer restarted mid-round signs a second update;
+        a restarted node never hears its old self's) is still checkable: its producer's signature and its
+        label are checked where it is fetched. Only its samples are then unknown."""
         out = []
         for p, mid in zip(a.included, a.inputs):
-            u = next((u for u in rec.heard_updates.get(p, ()) if u.manifest_ids[a.slice] == mid), None)
-            if u is None:
+            heard = rec.heard_updates.get(p)
+            if not heard:
                 return None
-            out.append(u)
+            exact = next((u for u in heard if u.manifest_ids[a.slice] == mid), None)
+            out.append(Input(p, mid, exact.samples if exact is not None else None))
         return tuple(out)
 
     def _judged(self, effects: list[Effect]) -> list[Effect]:
@@ -753,12 +752,12 @@ class TaskMachine:
         if self.audit.verdict(a.key())[0]:
             return self._judged(self.audit.judge(a, accuser=ev.accuser))
         rec = self._round(a.round)
-        updates = self._inputs_of(rec, a) if rec is not None else None
-        if updates is None:
+        inputs = self._inputs_of(rec, a) if rec is not None else None
+        if inputs is None:
             self.dropped["unjudged_proof"] += 1  # not our round, or we lack its inputs: nobody is charged
             return []
         self.audit.accuse(ev.accuser, a)
-        return list(self.audit.ask(a, updates))
+        return list(self.audit.ask(a, inputs))
 
     def _on_WeightsAnnounce(self, msg: WeightsAnnounce, now: float) -> list[Effect]:
         if msg.task_id != self.task_id or msg.peer_id == self.self_id:
@@ -1187,7 +1186,7 @@ class TaskMachine:
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
         collected = set(rec.updates)
-        heard = rec.heard_inputs
+        heard = rec.heard_updates
         eligible = set(rec.members)
         banned = self.audit.banned
         chosen, complete, unknown = [], True, False
@@ -1207,7 +1206,7 @@ class TaskMachine:
                 cands = [m for m in got.values() if m.key() not in rec.unverifiable] or list(got.values())
                 cached = rec.ranked[s] = (
                     key, choose_aggregate(cands, heard),
-                    any((p, s, i) not in heard for m in got.values() for p, i in zip(m.included, m.inputs)),
+                    any(p not in heard for m in got.values() for p in m.included),
                     # Banned aggregators' results count here: a slice that had a forgery is checked to the end.
                     len({m.result_hash for m in rec.aggregates[s].values()}) > 1)
             best = cached[1]
@@ -1224,13 +1223,13 @@ class TaskMachine:
                 m is not best and m.result_hash == best.result_hash and m.key() == best.key() for m in got.values())
             check = cached[3] or (not confirmed and not waiting) or (rec.producing and self._spot(rec, s))
             if check and best.aggregator != self.self_id and not self.audit.verdict(best.key())[0]:
-                updates = self._inputs_of(rec, best)
+                inputs = self._inputs_of(rec, best)
                 complete = False
-                if updates is not None:
-                    checks += self.audit.ask(best, updates)
+                if inputs is not None:
+                    checks += self.audit.ask(best, inputs)
                 elif rec.unknown_since is not None and now >= rec.unknown_since + self.quiet_after_s:
-                    # It lists an input that never came, so it cannot be recomputed: the slice takes the
-                    # best aggregate that can be (or none, and the round fails), on the next pass.
+                    # It lists a producer never heard (or banned), so it cannot be recomputed: the slice takes
+                    # the best aggregate that can be (or none, and the round fails), on the next pass.
                     rec.unverifiable.add(best.key())
                     if all(m.key() in rec.unverifiable for m in got.values()):
                         continue

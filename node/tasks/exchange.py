@@ -213,27 +213,37 @@ class Exchange:
 
     async def verify(self, job: Verify) -> Verified:
         """Recompute an aggregate from exactly the slices it lists (fetched from their producers or any
-        holder) and hash it as its aggregator would have; None when an input could not be fetched."""
+        holder) and hash it as its aggregator would have. UNDECODABLE when a listed slice is no slice of
+        this round by its producer (a proof against the aggregate); None when one could not be fetched,
+        or the rule weighs by samples and a listed update was never heard (nothing is decided)."""
         numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
+        if self.spec.aggregation.rule == "mean" and any(i.samples is None for i in job.inputs):
+            return Verified(key=job.key, result_hash=None)
+        label = f"task/{self.tid[:12]}/r{job.round}/u{job.slice}"
         got: dict[str, tuple[object, int]] = {}
         undecodable, missing = [], []
 
-        async def one(update) -> None:
+        async def one(item) -> None:
             try:
-                _, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
-                                                    deadline_s, kept=self._slices, round_=job.round, bits=self.bits)
-                got[update.producer] = (data, update.samples)
-            except RemoteProtocolError:
-                # The manifest its producer signed is no slice of this size: every node finds the same.
-                undecodable.append(update.producer)
+                manifest, data = await self._fetch_payload(item.manifest_id, item.producer, numel, deadline_s,
+                                                           kept=self._slices, round_=job.round, bits=self.bits)
+                if manifest.label != label:
+                    raise IntegrityError(f"{item.manifest_id[:16]} is labelled {manifest.label!r}, not {label!r}")
+                got[item.producer] = (data, item.samples or 1)
+            except RemoteProtocolError as exc:
+                # Not signed by its producer, another round's or slice's, or not a slice of this size:
+                # every node that fetches it finds the same.
+                log.info("task %s round %d: an input of slice %d is no slice of this round: %s", self.tid[:12],
+                         job.round, job.slice, exc)
+                undecodable.append(item.producer)
             except (TransportError, trio.TooSlowError) as exc:
                 log.info("task %s round %d: slice %d of %s not fetched to check an aggregate: %s", self.tid[:12],
-                         job.round, job.slice, update.producer, str(exc) or "timed out")
-                missing.append(update.producer)
+                         job.round, job.slice, item.producer, str(exc) or "timed out")
+                missing.append(item.producer)
 
         async with trio.open_nursery() as nursery:
-            for update in job.updates:
-                nursery.start_soon(one, update)
+            for item in job.inputs:
+                nursery.start_soon(one, item)
         if undecodable:
             return Verified(key=job.key, result_hash=UNDECODABLE)
         if missing:

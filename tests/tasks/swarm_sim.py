@@ -189,7 +189,8 @@ class Swarm:
                                             manifest_id=result, result_hash=result))
             elif isinstance(e, Verify):
                 self.verifications += 1
-                self.local(name, Verified(key=e.key, result_hash=truth(e.round, e.slice, e.updates)))
+                result = h("agg", e.round, e.slice, tuple((i.producer, i.manifest_id) for i in e.inputs))
+                self.local(name, Verified(key=e.key, result_hash=result))
             elif isinstance(e, Forged):
                 self.forged.append((name, e))
                 if e.prove:
