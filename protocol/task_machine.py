@@ -278,7 +278,7 @@ class RoundState:
     the updates an aggregate may list. Every node hears the same gossip, so every node ranks a
     slice's aggregates alike even where it closed collecting before a late joiner's update."""
     unverifiable: set[tuple] = field(default_factory=set)
-    """Keys of aggregates that needed a recomputation but list an input we never heard: never applied."""
+    """Keys of aggregates that needed a recomputation but list a producer never heard (or banned): never applied."""
     redo: bool = False
     """A slice's choice changed within a pass (an aggregate found unverifiable): decide again at once."""
     spot: dict[int, bool] = field(default_factory=dict)
@@ -286,8 +286,8 @@ class RoundState:
     unknown_since: float | None = None
     """When an aggregate first listed a producer we have not heard: it is waited for a heartbeat window."""
     ranked: dict[int, tuple] = field(default_factory=dict)
-    """Per slice: ((candidates, inputs heard, bans, verdicts), the aggregate chosen, whether one lists an
-    unheard input, whether the candidates disagree).
+    """Per slice: ((candidates, producers heard, bans, aggregates received, unverifiable), the aggregate chosen,
+    whether one lists an unheard producer, whether the aggregates received disagree).
     Both only grow within a round, so equal counts mean the same inputs: a 1,000-member round ranks once."""
     aggregates: dict[int, dict[str, AggregateAnnounce]] = field(default_factory=dict)
     weights: dict[str, WeightsAnnounce] = field(default_factory=dict)

@@ -201,7 +201,9 @@ class Exchange:
         if data is None or not included:
             return None
         if bad:
-            # The aggregate lists exactly what went into it: recombined without the undecodable slices.
+            # The aggregate must be what its listed inputs alone give when anyone recomputes them: the result
+            # above already left the bad slices out, but a plain mean that overflowed took the robust path,
+            # which the listed slices alone would not take.
             data, _ = await trio.to_thread.run_sync(robust.aggregate_slice, {p: got[p] for p in included}, numel,
                                                     self.spec.aggregation, self.bits)
         m = await self._publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")

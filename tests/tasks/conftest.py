@@ -86,9 +86,14 @@ def runner(node, tid):
     return None if known is None else known.runner
 
 
+def finished(node, tid):
+    r = runner(node, tid)
+    return r is not None and r.phase == "finished"
+
+
 @pytest.fixture
 def network() -> FakeNetwork:
     return FakeNetwork()
 
 
-__all__ = ["Swarm", "corpus_sha", "dataclasses", "runner", "tiny_spec", "wait_until"]
+__all__ = ["Swarm", "corpus_sha", "dataclasses", "finished", "runner", "tiny_spec", "wait_until"]

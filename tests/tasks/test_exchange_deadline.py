@@ -17,13 +17,17 @@ from tests.tasks.conftest import tiny_spec
 TASK = "ab" * 32
 
 
+def offline_exchange(tmp_path, spec, numel: int) -> Exchange:
+    """An Exchange with no store or network: the tests stub its fetches and publications."""
+    return Exchange(shardcast=None, spec=spec, task_id=TASK, directory=tmp_path, keypair=SimpleNamespace(peer_id="me"),
+                    penalize=lambda peer, why: None, num_params=lambda: numel * spec.aggregation_shards)
+
+
 async def test_a_producer_that_never_serves_its_slice_leaves_the_aggregate_in_time(tmp_path, autojump_clock,
                                                                                    monkeypatch):
     spec = tiny_spec()
     numel = 1000
-    exchange = Exchange(shardcast=None, spec=spec, task_id=TASK, directory=tmp_path,
-                        keypair=SimpleNamespace(peer_id="me"), penalize=lambda peer, why: None,
-                        num_params=lambda: numel * spec.aggregation_shards)
+    exchange = offline_exchange(tmp_path, spec, numel)
 
     async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, bits=8):
         with trio.fail_after(timeout_s):  # as Exchange._fetch bounds every fetch
@@ -58,9 +62,7 @@ async def test_a_recomputation_matches_the_aggregate_and_refuses_a_slice_that_is
 
     spec = tiny_spec()
     numel = 1000
-    exchange = Exchange(shardcast=None, spec=spec, task_id=TASK, directory=tmp_path,
-                        keypair=SimpleNamespace(peer_id="me"), penalize=lambda peer, why: None,
-                        num_params=lambda: numel * spec.aggregation_shards)
+    exchange = offline_exchange(tmp_path, spec, numel)
     label = f"task/{TASK[:12]}/r4/u0"
     slices = {"01" * 32: ("a", label, 0.5), "02" * 32: ("b", label, -0.25), "03" * 32: ("b", label, 0.75),
               "04" * 32: ("b", f"task/{TASK[:12]}/r3/u0", -0.25)}

@@ -8,12 +8,7 @@ import trio
 from protocol.envelope import open_sealed, seal
 from protocol.keys import Keypair
 from protocol.task import AggregateAnnounce, AggregateProof, task_id, task_topic
-from tests.tasks.conftest import Swarm, runner, tiny_spec, wait_until
-
-
-def finished(node, tid):
-    r = runner(node, tid)
-    return r is not None and r.phase == "finished"
+from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until
 
 
 async def test_false_and_malformed_proofs_charge_their_sender_and_ban_nobody(network, tmp_path):

@@ -6,14 +6,9 @@ import pytest
 import trio
 
 from protocol.task import SPECS_TOPIC, task_id
-from tests.tasks.conftest import Swarm, runner, tiny_spec, wait_until
+from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def finished(node, tid):
-    r = runner(node, tid)
-    return r is not None and r.phase == "finished"
 
 
 async def test_three_nodes_train_together_and_agree_every_round(network, tmp_path):
