@@ -60,7 +60,8 @@ def test_resume_reverifies_and_drops_corrupt_shards(tmp_path):
     (tmp_path / "tmp" / "leftover.part").write_bytes(b"partial")
     victim = signed.manifest.shard_hashes[1]
     path = store.shard_path(victim)
-    path.write_bytes(b"\0" + path.read_bytes()[1:])
+    old = path.read_bytes()
+    path.write_bytes(bytes([old[0] ^ 1]) + old[1:])  # a flipped bit: a written 0 may be the byte already there
 
     reopened = ShardStore.open(tmp_path)
     report = reopened.last_open_report
