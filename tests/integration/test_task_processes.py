@@ -53,8 +53,9 @@ def agreed_hashes(node) -> dict[int, str]:
 
 
 ROUNDS_WITH_LATE_JOINER = 18
-"""On a loaded 2-core machine a joiner's first fetch takes several rounds of seconds, and it follows
-those rounds (faster than the swarm trains them) before it can train: enough rounds are left for that."""
+"""A joiner needs about 10 s (start, fetch, catch up, start its trainer) before it trains. Its rounds
+are paced by training: 300 inner steps make each round about 2 s on
+a quiet 2-core machine (30 made them 0.6 s, and the task ended before the joiner could train)."""
 
 
 @pytest.mark.timeout(240)
@@ -62,7 +63,7 @@ def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(t
     swarm = Swarm(3, tmp_path, env=ENV)
     try:
         # Rounds long enough (seconds) that the late node, once its trainer is up, still has rounds to train.
-        run = started(swarm, rounds=ROUNDS_WITH_LATE_JOINER, inner_steps=30)
+        run = started(swarm, rounds=ROUNDS_WITH_LATE_JOINER, inner_steps=300)
         wait_for(lambda: all((run.mine(n).get("round") or 0) >= 2 for n in swarm.nodes), 90,
                  "every node reaches round 2", swarm)
         late = swarm.add_node()
