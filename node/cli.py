@@ -231,12 +231,14 @@ def dashboard(data_dir: Optional[Path] = DataDir) -> None:
 
 def main() -> None:
     from node.dataset_cli import dataset_app, model_app
+    from node.ledger_cli import ledger
     from node.shard_cli import shard_app
     from node.task_cli import task_app
     app.add_typer(shard_app, name="shard")
     app.add_typer(task_app, name="task")
     app.add_typer(dataset_app, name="dataset")
     app.add_typer(model_app, name="model")
+    app.command("ledger")(ledger)
     app()
 
 

@@ -149,6 +149,10 @@ def task_samples(node) -> Iterable[Sample]:
                t.get("verifications", 0))
         yield ("shoal_task_trainer_restarts_total", "counter", "Times the trainer child died and was restarted",
                task, t.get("trainer_restarts", 0))
+        yield ("shoal_task_receipts", "gauge", "Receipts in this node's ledger for the task (`shoal ledger`)",
+               task, t.get("receipts", 0))
+        yield ("shoal_task_receipt_write_errors_total", "counter", "Rounds whose receipts could not be written",
+               task, t.get("receipt_errors", 0))
         outcomes = {"agreed": 0, "dissent": 0, "caught_up": 0}
         for a in rounds:
             outcomes["caught_up" if a.get("caught_up") else "agreed" if a.get("agreed") else "dissent"] += 1

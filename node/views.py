@@ -135,6 +135,9 @@ def print_task(t: dict, console: Console | None = None) -> None:
         head.add_row("time", f"{train_s:.1f} s training, {round_s:.1f} s in rounds{share}")
         dropped = t.get("dropped", {})
         head.add_row("rejected", ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "none")
+        errors = t.get("receipt_errors", 0)
+        head.add_row("receipts", f"{t.get('receipts', 0)} sealed (`shoal ledger {t['id'][:12]}` lists them)"
+                     + (f"; {errors} round(s) not written (see the log)" if errors else ""))
         if t.get("banned"):
             head.add_row("banned", "\n".join(t["banned"]))
         for f in t.get("forgeries", []):

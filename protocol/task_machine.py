@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from protocol.audit import Accused, Audit, FalseAccusation, Forged, Input, Verified, Verify
 from protocol.heard import HeardLog
+from protocol.receipts import Credit, credits_for
 from protocol.rendezvous import make_key, top
 from protocol.round import Head, aggregators, best_head, choose_aggregate, round_work, vote
 from protocol.task import AggregateAnnounce, TaskJoin, UpdateAnnounce, WeightsAnnounce
@@ -227,6 +228,9 @@ class RoundClosed:
     work: int
     failed: bool = False
     """No aggregate for some slice: the round kept θ_r."""
+    credits: tuple[Credit, ...] | None = None
+    """The producers the round's weights were made of, when this node's weights are the vote's and it heard
+    every update the applied aggregates list (protocol/receipts.py); None otherwise, and () for a failed round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1293,7 +1297,9 @@ class TaskMachine:
         effects += [Dissent(rec.index, p, w.weights_hash) for p, w in sorted(voters.items()) if w.weights_hash != winner]
         closed = RoundClosed(round=rec.index, weights_hash=winner, agreed=winner == rec.mine.weights_hash,
                              num_agree=num_for, num_disagree=num_against, members=len(rec.members),
-                             work=rec.mine.work, failed=not rec.chosen)
+                             work=rec.mine.work, failed=not rec.chosen,
+                             credits=None if winner != rec.mine.weights_hash
+                             else credits_for(rec.chosen, rec.heard_updates) if rec.chosen else ())
         effects.append(closed)
         lost = ({w.weights_hash for w in voters.values()} | {rec.mine.weights_hash}) - {winner}
         if lost:

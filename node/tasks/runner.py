@@ -22,6 +22,7 @@ import trio
 from node.tasks import compute, history
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
+from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
 from node.train.inner import AdamWConfig
@@ -94,11 +95,14 @@ class TaskRunner:
         self._round_train_s: dict[int, float] = {}
         self._eval: dict[int, float | None] = {}
         self._history_lock = trio.Lock()
+        self.ledger = Ledger(directory, node.keypair, tid, spec.aggregation_shards)
+        """The receipts this node sealed for the producers of the rounds it agreed on."""
+        self._ledger_lock = trio.Lock()
         self.train_s = 0.0
+        """Seconds the trainer child reported training, all rounds together."""
         self.verify_s = 0.0
         """Wall seconds spent recomputing others' aggregates (fetching their inputs included)."""
         self.verifications = 0
-        """Seconds the trainer child reported training, all rounds together."""
         self.trainer = None
         """The trainer child while the task trains (None before it starts and once the task is done)."""
         self.trainer_restarts = 0
@@ -127,6 +131,7 @@ class TaskRunner:
             "dropped": m["dropped"],
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
             "verify_seconds": round(self.verify_s, 2), "verifications": self.verifications,
+            "receipts": self.ledger.count, "receipt_errors": self.ledger.errors,
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
             "peers": self._peer_rows(m),
@@ -278,6 +283,7 @@ class TaskRunner:
         return cache / f"{ds.sha256}.corpus"
 
     async def _run_task(self) -> None:
+        await self._with_ledger(self.ledger.open)
         self.corpus_path = await self._dataset()
         self.exchange.offer_dataset(self.corpus_path)
         # Start the trainer (a torch import: seconds) before syncing, so a late joiner is ready to
@@ -520,6 +526,8 @@ class TaskRunner:
                                # Wall time, so rounds closed on different nodes (or incarnations) line up.
                                "closed_at": round(time.time(), 3), **({"failed": True} if e.failed else {})})
         self._record_history()
+        if e.credits:
+            self._nursery.start_soon(self._with_ledger, self.ledger.record, e.round, e.weights_hash, e.credits)
         log.info("task %s round %d done: eval loss %s, weights %s (%s)", self.tid[:12], e.round,
                  "-" if eval_loss is None else f"{eval_loss:.4f}", e.weights_hash[:16],
                  "agreed" if e.agreed else "re-syncing")
@@ -531,6 +539,15 @@ class TaskRunner:
         # One writer at a time, each writing the rows as they are then: the last write holds them all.
         async with self._history_lock:
             await trio.to_thread.run_sync(history.record, self.dir, list(self.agreement))
+
+    async def _with_ledger(self, fn, *args) -> None:
+        # Receipts go to the file in the order rounds close: one writer at a time.
+        async with self._ledger_lock:
+            try:
+                await trio.to_thread.run_sync(fn, *args)
+            except OSError as exc:
+                log.warning("task %s: the ledger cannot be read (%s); receipts are written once it can",
+                            self.tid[:12], exc.strerror or exc)
 
     # -- the trainer -------------------------------------------------------------------------------
 

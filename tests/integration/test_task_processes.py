@@ -8,7 +8,9 @@ import time
 
 import pytest
 
+from node.tasks.ledger import read
 from node.train.data import build_corpus, corpus_id
+from protocol.receipts import latest
 from scripts.local_swarm import Swarm
 from scripts.swarm_task import TaskRun
 
@@ -86,6 +88,24 @@ def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(t
     assert all(joined[r] == agreed_hashes(first)[r] for r in joined)
     assert late.status["task"]["weights_hash"] == first.status["task"]["weights_hash"]
     assert late.status["task"]["train_seconds"] > 0, "the late node never trained"
+    # Every node sealed receipts for the rounds it agreed on, and they say the same on every round two nodes
+    # hold; the late node is credited for the rounds it trained.
+    receipts = {n.peer_id: ledger_by_round(n, run.task_id) for n in swarm.nodes}
+    for n in swarm.nodes[:3]:
+        agreed = {a["round"] for a in n.status["task"]["agreement"] if a["agreed"] and not a.get("failed")}
+        assert set(receipts[n.peer_id]) == agreed, (n.peer_id, sorted(receipts[n.peer_id]), sorted(agreed))
+    for a in receipts.values():
+        for b in receipts.values():
+            assert all(a[r] == b[r] for r in set(a) & set(b))
+    assert all(late.peer_id in {x.producer for x in receipts[first.peer_id][r]} for r in (16, 17))
+    assert all(x.slices == 2 and x.samples == 300 * 8 for x in receipts[first.peer_id][17])
+
+
+def ledger_by_round(node, task: str) -> dict[int, frozenset]:
+    by_round: dict[int, set] = {}
+    for r in latest(s.message for s in read(node.data_dir / "tasks" / task, task).receipts):
+        by_round.setdefault(r.round, set()).add(r)
+    return {k: frozenset(v) for k, v in by_round.items()}
 
 
 @pytest.mark.timeout(240)

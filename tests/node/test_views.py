@@ -42,3 +42,10 @@ def test_task_show_names_a_banned_forger_and_what_its_aggregate_should_have_been
                                  "found_here": False}]})
     assert "banned: 4" in text and f"round 1 slice 0 by {B}" in text
     assert "its inputs give 1111111111111111 (a peer's proof, recomputed here)" in text
+
+
+def test_task_show_counts_the_receipts_sealed_and_says_when_some_could_not_be_written():
+    base = {"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "joined", "round": 3, "rounds": 10,
+            "members": [A], "dropped": {}}
+    assert "12 sealed (`shoal ledger abababababab` lists them)" in shown({**base, "receipts": 12})
+    assert "2 round(s) not written (see the log)" in shown({**base, "receipts": 12, "receipt_errors": 2})

@@ -338,6 +338,15 @@ class Swarm:
             self.advance(step_s)
         return self.now - start
 
+    def ledger_disagreements(self) -> dict[tuple[int, str], set]:
+        """Rounds (with the weights they agreed on) where honest nodes credited different producers, slices
+        or samples: every node that agreed on a round's weights must write the same receipts for it."""
+        by_round: dict[tuple[int, str], set] = {}
+        for n, e in self.closed:
+            if n not in self.forge and e.credits is not None:
+                by_round.setdefault((e.round, e.weights_hash), set()).add(e.credits)
+        return {k: v for k, v in by_round.items() if len(v) > 1}
+
     def disagreements(self) -> dict[int, set[str]]:
         """Rounds where honest nodes (all but the forgers) recorded different weights hashes.
 

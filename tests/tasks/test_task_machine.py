@@ -253,6 +253,7 @@ def churn(sim, names, *, rng, joins, kills, restarts, split_share):
     sim.run_until(sim.all_done, 300)
     assert not sim.disagreements(), sim.disagreements()
     assert len(final_hashes(sim)) == 1
+    assert not sim.ledger_disagreements(), sim.ledger_disagreements()
 
 
 def test_sixty_nodes_with_joins_deaths_restarts_and_a_healing_partition_agree():
