@@ -165,3 +165,6 @@ def task_samples(node) -> Iterable[Sample]:
         for reason, n in t.get("dropped", {}).items():
             yield ("shoal_task_rejected_total", "counter", "Task messages and updates refused, by reason",
                    {**task, "reason": reason}, n)
+        for reason, n in sorted(t.get("screened", {}).items()):
+            yield ("shoal_task_screened_total", "counter", "Producers' slices this node's aggregations left out, "
+                   "by reason (empty: zeros, charged; duplicate: a near copy of another's)", {**task, "reason": reason}, n)

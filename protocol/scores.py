@@ -18,6 +18,8 @@ PENALTIES = {
     # Proven by recomputation (protocol/audit.py): a signed aggregate that its own inputs contradict.
     "forged_aggregate": 1000.0,
     "false_accusation": 25.0,
+    # An update with nothing in it (zeros), found the same way by every aggregator (node/tasks/robust.py screen).
+    "empty_update": 30.0,
     # Refused inside the libp2p host (p2p.guards), below our own handlers.
     "gossip_rpc_malformed": 20.0,
     "gossip_rpc_oversize": 20.0,

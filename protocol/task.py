@@ -177,7 +177,7 @@ class HFSpec:
         _need(_finite(self.dpo_beta) and 0 < self.dpo_beta <= 100, "hf.dpo_beta must be in (0, 100]")
 
 
-@message(tag=32, optional_tail=("spot_check",))
+@message(tag=32, optional_tail=("spot_check", "screen"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AggregationSpec:
     """How an aggregator combines the producers' copies of one slice (node/tasks/robust.py).
@@ -200,8 +200,13 @@ class AggregationSpec:
     """The chance that a member recomputes a slice's chosen aggregate from its inputs although no other
     aggregate contradicts it (one that contradicts another is always recomputed): what keeps a slice's
     only aggregator honest."""
+    screen: bool = False
+    """Before any rule, leave out the producers whose slice is no contribution: next to nothing (a norm at
+    most 1% of the slice's median producer norm: zeros) or a near copy of another producer's (cosine 0.99
+    or more); node/tasks/robust.py ``screen``. An aggregate that lists such a slice is then forged."""
 
     def __post_init__(self) -> None:
+        _need(isinstance(self.screen, bool), "aggregation.screen must be true or false")
         _need(self.rule in AGGREGATION_RULES, f"aggregation.rule {self.rule!r} is not one of {list(AGGREGATION_RULES)}")
         _need(_finite(self.trim_fraction) and 0 < self.trim_fraction < 0.5, "aggregation.trim_fraction must be in (0, 0.5)")
         _need(_finite(self.clip_radius) and 0 < self.clip_radius <= MAX_NORM_BOUND,
@@ -497,7 +502,7 @@ _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "require
 _OPTIONAL_TABLES: dict[type, set[str]] = {
     TaskSpec: {"model", "hf", "aggregation", "trainers"}, DatasetSpec: {"manifest", "heldout_fraction"},
     Requirements: {"torch_version"}, HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
-    AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check"},
+    AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check", "screen"},
 }
 """Keys a TOML spec may leave out: tables that belong to other recipes, and fields with a default."""
 _DEFAULTS: dict[str, Any] = {
@@ -508,7 +513,7 @@ _DEFAULTS: dict[str, Any] = {
     "requirements": {"min_memory_bytes": 0, "device": "any"},
     # Chosen by scripts/bench_robust.py (README "Robust aggregation"): the smallest worst case over its attacks,
     # at no cost to honest training.
-    "aggregation": {"rule": "centered_clip", "norm_bound": 2.0, "spot_check": 0.05},
+    "aggregation": {"rule": "centered_clip", "norm_bound": 2.0, "spot_check": 0.05, "screen": True},
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,8 @@ what arrived. Members gather for one round deadline: a producer that announced a
 or stalls must cost the slice its contribution, not make the aggregate miss that deadline everywhere."""
 KEEP_STATES = 2
 """States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
+SCREENED = {"empty": "next to nothing (zeros): charged empty_update",
+            "duplicate": "a near copy of another producer's slice (both left out, neither charged)"}
 STATE_RETENTION_DEADLINES = 2.0
 """A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
 deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
@@ -48,6 +51,8 @@ class Exchange:
         self.num_params = num_params
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize = keypair.peer_id, keypair, penalize
+        self.screened: Counter[str] = Counter()
+        """Slices this node's aggregations left out by the screen, by reason ("empty", "duplicate")."""
         self.offers: dict[str, DatasetOffer] = {}
         self._offers_changed = trio.Event()
         self._offer_path: Path | None = None
@@ -186,10 +191,11 @@ class Exchange:
                 nursery.start_soon(one, update)
         if not got:
             return None
+        screened: dict[str, str] = {}
         try:
             # Decoded once, here, where it is combined: a slice that does not decode is its producer's fault.
-            data, bad = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel, self.spec.aggregation,
-                                                      self.bits)
+            out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.bits)
+            data, bad, screened = out.data, out.bad, out.screened
         except IntegrityError as exc:
             log.warning("task %s round %d: slice %d not aggregated: %s", self.tid[:12], job.round, job.slice, exc)
             bad, data = list(got), None
@@ -197,12 +203,18 @@ class Exchange:
             # Read without re-hashing; before blaming the producer, make sure our own disk did not rot its bytes.
             if await trio.to_thread.run_sync(self._intact, sources[producer]):
                 self.penalize(producer, "corrupt_shard")
-        included = tuple(sorted(p for p in got if p not in bad))
+        for producer, why in screened.items():
+            log.warning("task %s round %d: slice %d from %s left out: %s", self.tid[:12], job.round, job.slice,
+                        producer, SCREENED[why])
+            self.screened[why] += 1
+            if why == "empty":
+                self.penalize(producer, "empty_update")
+        included = tuple(sorted(p for p in got if p not in bad and p not in screened))
         if data is None or not included:
             return None
-        if bad:
+        if bad or screened:
             # The aggregate must be what its listed inputs alone give when anyone recomputes them: the result
-            # above already left the bad slices out, but a plain mean that overflowed took the robust path,
+            # above already left those slices out, but a plain mean that overflowed took the robust path,
             # which the listed slices alone would not take.
             data, _ = await trio.to_thread.run_sync(robust.aggregate_slice, {p: got[p] for p in included}, numel,
                                                     self.spec.aggregation, self.bits)
@@ -251,11 +263,13 @@ class Exchange:
         if missing:
             return Verified(key=job.key, result_hash=None)
         try:
-            data, bad = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel, self.spec.aggregation,
-                                                      self.bits)
+            # A listed slice that is left out (it does not decode, or the screen drops it) is one no honest
+            # aggregator lists.
+            data, left_out = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel,
+                                                           self.spec.aggregation, self.bits)
         except IntegrityError:
-            bad = list(got)
-        if bad:
+            left_out = list(got)
+        if left_out:
             return Verified(key=job.key, result_hash=UNDECODABLE)
         return Verified(key=job.key, result_hash=hashlib.sha256(
             compute.tensor_bytes(data) if hasattr(data, "data_ptr") else data).hexdigest())

@@ -132,6 +132,7 @@ class TaskRunner:
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
             "verify_seconds": round(self.verify_s, 2), "verifications": self.verifications,
             "receipts": self.ledger.count, "receipt_errors": self.ledger.errors,
+            "screened": dict(self.exchange.screened),
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
             "peers": self._peer_rows(m),

@@ -7,7 +7,7 @@ import pytest
 
 from scripts.local_swarm import Swarm
 from scripts.swarm_task import TaskRun
-from tests.integration.test_task_processes import ENV, tiny_fields, wait_for
+from tests.integration.test_task_processes import ENV, ledger_by_round, tiny_fields, wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -57,3 +57,41 @@ def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_
                       "eval_losses": losses}))
     logs = [(node.data_dir / "node.log").read_text() for node in honest]
     assert any("does not match the updates it lists" in text for text in logs)
+
+
+FREE_RIDING_ROUNDS = 8
+
+
+@pytest.mark.timeout(300)
+def test_a_free_rider_publishing_zeros_is_screened_out_charged_and_never_credited(tmp_path):
+    swarm = Swarm(4, tmp_path, env=ENV)
+    rider = swarm.nodes[3]
+    rider.module = "tests.integration.free_riding_node"
+    honest = swarm.nodes[:3]
+    try:
+        swarm.start(watch_interval_s=0.3)
+        wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
+        run = TaskRun(swarm, tiny_fields(FREE_RIDING_ROUNDS, inner_steps=20))
+        swarm.task_id = run.publish()
+        wait_for(lambda: all(run.mine(n).get("phase") == "finished" for n in honest), 200,
+                 "the honest nodes finish", swarm)
+        for node in honest:
+            node.status = node.call("/status")
+    finally:
+        swarm.stop()
+    tasks = [node.status["task"] for node in honest]
+    # Every honest aggregator found its slices empty and charged it; none of its zeros went into the weights,
+    # and no honest ledger credits it with a single round.
+    assert all(task["screened"].get("empty", 0) >= 1 for task in tasks), [task["screened"] for task in tasks]
+    credited = {r.producer for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs}
+    assert credited == {node.peer_id for node in honest}, credited
+    print(json.dumps({"screened": [task["screened"] for task in tasks],
+                      "banned": [rider.peer_id in node.status["banned_peers"] for node in honest],
+                      "eval_losses": tasks[0]["eval_losses"]}))
+    rounds = {}
+    for task in tasks:
+        for row in task["agreement"]:
+            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    assert sorted(rounds) == list(range(FREE_RIDING_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    losses = [x for _, x in tasks[0]["eval_losses"]]
+    assert losses and losses[-1] < losses[0], losses

@@ -17,6 +17,11 @@ from tests.tasks.conftest import tiny_spec
 TASK = "ab" * 32
 
 
+def own_values(seed: str, numel: int, mean: float) -> torch.Tensor:
+    """A slice of its own (no two alike, so the screen leaves none out) around ``mean``."""
+    return mean + 0.5 * torch.randn(numel, generator=torch.Generator().manual_seed(sum(map(ord, seed))))
+
+
 def offline_exchange(tmp_path, spec, numel: int) -> Exchange:
     """An Exchange with no store or network: the tests stub its fetches and publications."""
     return Exchange(shardcast=None, spec=spec, task_id=TASK, directory=tmp_path, keypair=SimpleNamespace(peer_id="me"),
@@ -33,7 +38,7 @@ async def test_a_producer_that_never_serves_its_slice_leaves_the_aggregate_in_ti
         with trio.fail_after(timeout_s):  # as Exchange._fetch bounds every fetch
             if signer == "dead":
                 await trio.sleep_forever()  # SIGKILLed right after it announced its update
-            data = encode_int8(torch.full((numel_,), 0.5))
+            data = encode_int8(own_values(signer, numel_, 0.5))
             return None, torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     async def publish_payload(data, label):
@@ -71,7 +76,7 @@ async def test_a_recomputation_matches_the_aggregate_and_refuses_a_slice_that_is
         producer, its_label, value = slices[manifest_hex]
         if producer != signer:
             raise IntegrityError(f"manifest {manifest_hex[:16]} is not signed by {signer}")
-        data = encode_int8(torch.full((numel_,), value))
+        data = encode_int8(own_values(manifest_hex, numel_, value))
         return SimpleNamespace(label=its_label), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     async def publish_payload(data, label_):

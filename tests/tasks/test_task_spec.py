@@ -137,7 +137,7 @@ def test_the_training_share_is_an_optional_tail_of_weights_announcements():
     assert decode(encode(without)) == without and decode(encode(with_share)) == with_share
 
 
-LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\nspot_check = 0\n"
+LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\nspot_check = 0\nscreen = false\n"
 LEGACY_ID = "b638cfee3a1f3361f696c7e8986bbd5de8d00557ff3c5c3c6896149506a6489c"
 """SPEC_TOML's task id before TaskSpec had an aggregation field (computed by that code)."""
 
@@ -153,7 +153,8 @@ def test_a_spec_from_before_the_aggregation_option_keeps_its_encoding_and_id():
 def test_the_aggregation_option_travels_and_changes_the_id():
     spec = load_spec_toml(SPEC_TOML + "[task.aggregation]\nrule = \"trimmed_mean\"\ntrim_fraction = 0.2\n"
                                       "norm_bound = 3\n")
-    assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05)
+    assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05,
+                                               screen=True)
     assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
     assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 1  # trainers left off
 
@@ -162,8 +163,8 @@ def test_spot_checks_travel_in_the_spec_and_an_aggregation_table_from_before_the
     spec = load_spec_toml(SPEC_TOML + "[task.aggregation]\nspot_check = 0.25\n")
     assert spec.aggregation.spot_check == 0.25 and decode(encode(spec)) == spec
     wire = msgpack.unpackb(encode(spec))
-    assert wire[-1][-1] == 0.25
-    wire[-1] = wire[-1][:-1]  # the table as it went on the wire before spot checks existed
+    assert wire[-1][-2:] == [0.25, True]
+    wire[-1] = wire[-1][:-2]  # the table as it went on the wire before spot checks (and the screen) existed
     assert decode(msgpack.packb(wire)).aggregation.spot_check == 0.0
     with pytest.raises(ConfigError, match="spot_check"):
         load_spec_toml(SPEC_TOML + "[task.aggregation]\nspot_check = 1.5\n")
@@ -191,6 +192,22 @@ def test_a_toml_spec_without_the_table_gets_the_measured_default():
     from protocol.task import _DEFAULTS
     assert load_spec_toml(SPEC_TOML).aggregation == AggregationSpec(**_DEFAULTS["aggregation"])
     assert load_spec_toml(SPEC_TOML).aggregation != AggregationSpec()
+
+
+def test_the_screen_travels_in_the_spec_and_an_aggregation_table_from_before_it_decodes_without_it():
+    spec = load_spec_toml(SPEC_TOML + "[task.aggregation]\nspot_check = 0.25\n")
+    assert spec.aggregation.screen is True
+    wire = msgpack.unpackb(encode(spec))
+    wire[-1] = wire[-1][:-1]  # the table as it went on the wire before the screen existed
+    assert decode(msgpack.packb(wire)).aggregation == AggregationSpec(**{**_aggregation(spec), "screen": False})
+    off = load_spec_toml(SPEC_TOML + "[task.aggregation]\nscreen = false\n")
+    assert off.aggregation.screen is False and task_id(off) != task_id(spec)
+    with pytest.raises(ConfigError, match="aggregation.screen must be true or false"):
+        load_spec_toml(SPEC_TOML + "[task.aggregation]\nscreen = \"yes\"\n")
+
+
+def _aggregation(spec) -> dict:
+    return dataclasses.asdict(spec.aggregation)
 
 
 @pytest.mark.parametrize("table, words", [

@@ -1,0 +1,79 @@
+"""An aggregator leaves zeros and copies out of what it lists, and a recomputation that finds one listed
+calls the aggregate forged: no honest aggregator lists a slice the screen drops."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import torch
+
+from node.tasks import compute
+from node.tasks import exchange as exchange_module
+from node.train.compress import encode_int8
+from protocol.audit import UNDECODABLE, Input, Verify
+from protocol.task import UpdateAnnounce
+from protocol.task_machine import Aggregate
+from tests.tasks.conftest import tiny_spec
+from tests.tasks.test_exchange_deadline import TASK, offline_exchange, own_values
+
+NUMEL = 1000
+
+
+def wired(tmp_path, monkeypatch, values: dict[str, torch.Tensor]):
+    """An offline Exchange whose producers serve ``values`` (manifest id -> slice), labelled for round 4, slice 0."""
+    charged: list[tuple[str, str]] = []
+    exchange = offline_exchange(tmp_path, tiny_spec(), NUMEL)
+    exchange.penalize = lambda peer, why: charged.append((peer, why))
+
+    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, bits=8):
+        data = encode_int8(values[manifest_hex])
+        return SimpleNamespace(label=f"task/{TASK[:12]}/r4/u0"), torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    async def publish_payload(data, label):
+        return SimpleNamespace(label=label)
+
+    exchange._fetch_payload, exchange._publish_payload = fetch_payload, publish_payload
+    monkeypatch.setattr(exchange_module, "manifest_id", lambda m: bytes.fromhex("cd" * 32))
+    monkeypatch.setattr(exchange_module, "payload_hash", lambda m, data: hashlib.sha256(
+        compute.tensor_bytes(data) if hasattr(data, "data_ptr") else bytes(data)).hexdigest())
+    return exchange, charged
+
+
+def updates(*producers: str) -> tuple[UpdateAnnounce, ...]:
+    return tuple(UpdateAnnounce(task_id=TASK, round=4, producer=p, base_hash="ef" * 32, samples=8,
+                                manifest_ids=(mid(p), "09" * 32), losses=()) for p in producers)
+
+
+def mid(producer: str) -> str:
+    return hashlib.sha256(producer.encode()).hexdigest()
+
+
+async def test_zeros_and_a_copy_are_left_out_and_only_the_zeros_are_charged(tmp_path, monkeypatch):
+    values = {mid(p): own_values(p, NUMEL, 0.1) for p in ("a", "b", "c", "d")}
+    values[mid("zeros")] = torch.zeros(NUMEL)
+    values[mid("copier")] = values[mid("c")] + 0.01 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+    exchange, charged = wired(tmp_path, monkeypatch, values)
+    made = await exchange.aggregate(Aggregate(4, 0, updates("a", "b", "c", "d", "zeros", "copier")))
+    assert made.included == ("a", "b", "d") and made.inputs == (mid("a"), mid("b"), mid("d"))
+    assert charged == [("zeros", "empty_update")] and dict(exchange.screened) == {"empty": 1, "duplicate": 2}
+
+    async def recomputed(*producers):
+        key = (4, 0, producers, tuple(mid(p) for p in producers))
+        return (await exchange.verify(Verify(4, 0, tuple(Input(p, mid(p), 8) for p in producers), key))).result_hash
+
+    assert await recomputed("a", "b", "d") == made.result_hash
+    # An aggregator that lists the zeros, or both copies, made an aggregate no honest one makes: a proof.
+    assert await recomputed("a", "b", "d", "zeros") == UNDECODABLE
+    assert await recomputed("a", "b", "c", "copier", "d") == UNDECODABLE
+    # A copy whose original it did not list is no copy within what it lists: its result stands on its own.
+    assert await recomputed("a", "b", "copier", "d") not in (UNDECODABLE, None, made.result_hash)
+
+
+async def test_a_slice_whose_every_update_is_screened_out_has_no_aggregate_and_no_one_is_called_corrupt(
+        tmp_path, monkeypatch):
+    values = {mid("a"): own_values("a", NUMEL, 0.1)}
+    values[mid("copier")] = values[mid("a")].clone()
+    exchange, charged = wired(tmp_path, monkeypatch, values)
+    assert await exchange.aggregate(Aggregate(4, 0, updates("a", "copier"))) is None
+    assert charged == []

@@ -1,0 +1,98 @@
+"""The screen before aggregation: zeros and near copies are left out, the same way on every node, and what is
+left is screened clean, so an aggregate recomputed from exactly its listed slices is the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.tasks import compute, robust
+from node.train.compress import decode_int8, encode_int8
+from protocol.errors import IntegrityError
+from protocol.task import AggregationSpec
+from tests.tasks.test_robust import honest, rand
+
+pytestmark = pytest.mark.timeout(60)
+
+SCREEN = AggregationSpec(rule="centered_clip", norm_bound=2.0, screen=True)
+SPECS = [SCREEN, AggregationSpec(rule="mean", screen=True), AggregationSpec(rule="median", screen=True)]
+
+
+def near_copy(slices: dict, of: str, numel: int, noise: float) -> bytearray:
+    """Producer ``of``'s slice plus noise with ``noise`` x its norm."""
+    x = decode_int8(slices[of][0], numel)
+    return encode_int8(x + rand(77, numel) * (noise * float(x.norm()) / numel ** 0.5 / 0.01))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.rule)
+def test_zeros_are_left_out_and_charged_and_the_rest_recompute_to_the_same_bytes(spec):
+    numel = 5 * 256 + 9
+    slices = honest(numel, peers=4)
+    out = robust.combine({**slices, "zz": (encode_int8(torch.zeros(numel)), 10_000)}, numel, spec)
+    assert out.screened == {"zz": "empty"} and out.bad == []
+    again = robust.combine(slices, numel, spec)
+    assert again.screened == {} and bytes(again.data) == bytes(out.data)
+
+
+def test_next_to_nothing_is_empty_but_a_small_honest_update_is_not():
+    numel = 4 * 256
+    slices = honest(numel, peers=4)
+    tiny = {"tiny": (encode_int8(rand(5, numel, scale=0.01 * 0.005)), 96)}  # 0.5% of the others' norm
+    small = {"small": (encode_int8(rand(5, numel, scale=0.01 * 0.3)), 96)}  # a producer that trained a few steps
+    assert robust.combine({**slices, **tiny}, numel, SCREEN).screened == {"tiny": "empty"}
+    assert robust.combine({**slices, **small}, numel, SCREEN).screened == {}
+
+
+def test_a_copy_and_its_original_are_both_left_out_and_nobody_is_charged():
+    numel = 6 * 256
+    slices = honest(numel, peers=4)
+    for noise in (0.0, 0.05):  # as sent, and with noise at 5% of its norm (cosine about 0.999)
+        copy = {"copier": (near_copy(slices, "p2", numel, noise), 96)}
+        out = robust.combine({**slices, **copy}, numel, SCREEN)
+        assert out.screened == {"copier": "duplicate", "p2": "duplicate"} and out.bad == [], noise
+        rest = {p: slices[p] for p in ("p0", "p1", "p3")}
+        assert bytes(out.data) == bytes(robust.combine(rest, numel, SCREEN).data)
+    # Honest producers share a direction (cosine 0.8 here) and are never taken for copies.
+    assert robust.combine(slices, numel, SCREEN).screened == {}
+
+
+def test_the_screen_decides_alike_whatever_the_threads_and_chunks(monkeypatch):
+    numel = 300_000 + 77
+    slices = honest(numel, peers=5)
+    slices["copier"] = (near_copy(slices, "p1", numel, 0.1), 50)
+    slices["zz"] = (encode_int8(torch.zeros(numel)), 50)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 4, 2):
+            torch.set_num_threads(n)
+            outs.append(robust.combine(slices, numel, SCREEN))
+        monkeypatch.setattr(compute, "CHUNK_BLOCKS", 5)
+        monkeypatch.setattr(robust, "STACK_VALUES", 7 * 3 * 256)
+        outs.append(robust.combine(slices, numel, SCREEN))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(o.screened == {"copier": "duplicate", "p1": "duplicate", "zz": "empty"} for o in outs)
+    assert len({bytes(o.data) for o in outs}) == 1
+
+
+def test_past_the_pairwise_limit_only_exact_copies_are_found(monkeypatch):
+    monkeypatch.setattr(robust, "MAX_PAIRWISE", 3)
+    numel = 3 * 256
+    slices = honest(numel, peers=4)
+    exact = robust.combine({**slices, "copier": slices["p0"]}, numel, SCREEN)
+    assert exact.screened == {"copier": "duplicate", "p0": "duplicate"}
+    assert robust.combine({**slices, "copier": (near_copy(slices, "p0", numel, 0.05), 9)}, numel, SCREEN).screened == {}
+
+
+def test_without_the_screen_nothing_is_left_out_and_a_slice_screened_empty_has_no_aggregate():
+    numel = 2 * 256
+    slices = honest(numel, peers=3)
+    zeros = {"zz": (encode_int8(torch.zeros(numel)), 10)}
+    plain = AggregationSpec(rule="centered_clip", norm_bound=2.0)
+    assert robust.combine({**slices, **zeros}, numel, plain).screened == {}
+    assert robust.aggregate_slice({**slices, **zeros}, numel, SCREEN)[1] == ["zz"]
+    alone = robust.combine(zeros, numel, SCREEN)
+    assert alone.data is None and alone.screened == {"zz": "empty"} and alone.bad == []  # nobody is blamed corrupt
+    with pytest.raises(IntegrityError):
+        robust.aggregate_slice(zeros, numel, SCREEN)
