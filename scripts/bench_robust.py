@@ -14,6 +14,7 @@ real outer step (compute.apply_aggregates). Attackers craft their updates each r
     alie           "A little is enough": mean + 1.0 x std of the honest updates, per coordinate
     ipm            inner-product manipulation: -0.5 x the honest mean
     overclaim      a tenth of the inner steps, full samples claimed
+    copy           an honest producer's update with noise at 1% of its norm (a free-rider that trains nothing)
 
 Reported per setup (producers x attackers), rule and attack: the final held-out loss, its change
 against the same rule's clean run (%), and each rule's clean loss against the plain mean's (%).
@@ -50,7 +51,7 @@ from node.train.simulate import SimSetup, _data, start_weights  # noqa: E402
 from protocol.rendezvous import assign_shards  # noqa: E402
 from protocol.task import AggregationSpec  # noqa: E402
 
-ATTACKS = ("clean", "sign_flip_x10", "gaussian", "zeros", "stale", "alie", "ipm", "overclaim")
+ATTACKS = ("clean", "sign_flip_x10", "gaussian", "zeros", "stale", "alie", "ipm", "overclaim", "copy")
 NORM_BOUND = 2.0
 RULES = {
     "mean": AggregationSpec(),
@@ -58,6 +59,7 @@ RULES = {
     "trimmed_mean": AggregationSpec(rule="trimmed_mean", norm_bound=NORM_BOUND),
     "median": AggregationSpec(rule="median", norm_bound=NORM_BOUND),
     "centered_clip": AggregationSpec(rule="centered_clip", norm_bound=NORM_BOUND),
+    "centered_clip+screen": AggregationSpec(rule="centered_clip", norm_bound=NORM_BOUND, screen=True),
 }
 DEMO_MODEL = ModelConfig(n_layer=2, n_head=2, d_model=64, seq_len=64)
 """examples/tiny-task.toml's model."""
@@ -66,6 +68,7 @@ HONEST_COST_PCT = 1.0
 ALIE_Z = 1.0
 IPM_EPSILON = 0.5
 NOISE_RMS = 10.0
+COPY_NOISE = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,9 +95,21 @@ def _mean_std(flats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return stack.mean(dim=0), stack.std(dim=0, unbiased=False)
 
 
+@dataclass
+class Excluded:
+    """Slices left out of aggregation (did not decode, or screened), the attackers' and the honest producers'."""
+
+    malicious: int = 0
+    malicious_total: int = 0
+    honest: int = 0
+    honest_total: int = 0
+
+
 def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int, attackers: int, seed: int,
-            start=None) -> float | None:
-    """The final held-out loss of one run; None when the weights diverged (non-finite)."""
+            start=None, excluded: Excluded | None = None) -> float | None:
+    """The final held-out loss of one run; None when the weights diverged (non-finite). ``excluded`` counts
+    the slices left out."""
+    excluded = excluded if excluded is not None else Excluded()
     setup = _setup(bench, seed)
     shards, heldout = _data(setup)
     theta0 = start if start is not None else start_weights(setup)
@@ -146,6 +161,10 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                 crafted = mean * -IPM_EPSILON
             elif attack == "overclaim":
                 crafted, layout, _ = train(peer, r, max(1, bench.inner_steps // 10), assignment)
+            elif attack == "copy":
+                victim = honest[0]
+                crafted = victim + torch.randn(victim.shape, generator=gen) * (COPY_NOISE * victim.norm()
+                                                                                / victim.numel() ** 0.5)
             else:
                 raise ValueError(f"unknown attack {attack!r}")
             updates[peer] = (crafted, cap)
@@ -154,13 +173,24 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                         for p, (flat, _) in sorted(updates.items())}
             numel = sum(t.numel() for t in state.weights.values())
             bounds = compute.slice_bounds(numel, bench.num_slices)
-            aggregates = [robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads}, b - a, rule)[0]
-                          for s, (a, b) in enumerate(bounds)]
+            aggregates = []
+            for s, (a, b) in enumerate(bounds):
+                data, left_out = robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads}, b - a,
+                                                        rule)
+                aggregates.append(data)
+                excluded.malicious += len(bad & set(left_out))
+                excluded.malicious_total += len(bad)
+                excluded.honest += len(set(left_out) - bad)
+                excluded.honest_total += len(payloads) - len(bad)
         except ValueError:  # an update or the aggregate went non-finite: the run diverged
             return None
         state = compute.apply_aggregates(state, aggregates, state.work + len(updates))
     loss = evaluate(bench.model, state.weights, heldout, bench.eval_batches, seed=seed + 1, batch_size=16)
     return loss if math.isfinite(loss) else None
+
+
+def _share(part: int, total: int) -> float | None:
+    return round(part / total, 4) if total else None
 
 
 def _pct(value: float | None, reference: float | None) -> float | None:
@@ -194,7 +224,16 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--rules", help=f"comma-separated, of {', '.join(RULES)} (the plain mean always runs, as the "
+                                        "reference)")
     args = parser.parse_args()
+    if args.rules:
+        chosen = ["mean", *(r for r in args.rules.split(",") if r != "mean")]
+        unknown = [r for r in chosen if r not in RULES]
+        if unknown:
+            parser.error(f"unknown rule {unknown[0]!r}; known: {', '.join(RULES)}")
+        for name in [n for n in RULES if n not in chosen]:
+            del RULES[name]
     torch.set_num_threads(args.threads)
     bench = Bench(rounds=5, inner_steps=8, pretrain_steps=100) if args.quick else Bench()
     bench = dataclasses.replace(bench, **{k: v for k, v in (("rounds", args.rounds), ("inner_steps", args.inner_steps))
@@ -209,10 +248,13 @@ def main() -> None:
         for name, rule in RULES.items():
             attacks = {}
             for attack in ATTACKS:
+                excluded = Excluded()
                 losses = [run_one(bench, rule, attack, producers=producers, attackers=attackers, seed=seed,
-                                  start=starts[seed]) for seed in seeds]
+                                  start=starts[seed], excluded=excluded) for seed in seeds]
                 loss = None if any(x is None for x in losses) else statistics.fmean(losses)
-                attacks[attack] = {"loss": None if loss is None else round(loss, 4), "losses": losses}
+                attacks[attack] = {"loss": None if loss is None else round(loss, 4), "losses": losses,
+                                   "malicious_excluded_share": _share(excluded.malicious, excluded.malicious_total),
+                                   "honest_excluded_share": _share(excluded.honest, excluded.honest_total)}
                 print(f"bench_robust: {label} {name} {attack}: {losses} ({time.monotonic() - t0:.0f} s)",
                       file=sys.stderr, flush=True)
             clean = attacks["clean"]["loss"]
