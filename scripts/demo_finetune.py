@@ -174,6 +174,7 @@ def run_demo(work_dir: Path, *, recipe: str = "hf-causal-lm", method: str = "lor
         "eval_loss_first": rows[0]["eval_loss"] if rows else None,
         "eval_loss_last": rows[-1]["eval_loss"] if rows else None,
         "hashes_agree": bool(rows) and all(r["hashes_agree"] and len(r["weights_hash_by_node"]) == nodes for r in rows),
+        "slices_screened_out": sum(sum(c.values()) for c in swarm_report.get("screened", {}).values()),
         "bytes_per_node_per_round": round((moved - 2 * inputs) / num_nodes / max(1, len(rows))),
         "input_bytes_per_node": round(inputs / num_nodes),
         "swarm_seconds": swarm_report["task"]["seconds"],

@@ -125,7 +125,7 @@ class TaskRun:
                     row["eval_loss"] = entry.get("eval_loss")  # a joiner's caught-up rows are not evaluated
         for row in rounds.values():
             row["hashes_agree"] = len(set(row["weights_hash_by_node"].values())) == 1
-        libp2p, wire, gossip, task_bytes, utilization = {}, {}, {}, {}, {}
+        libp2p, wire, gossip, task_bytes, utilization, screened = {}, {}, {}, {}, {}, {}
         for peer, status in self.final.items():
             before = self.bytes_before.get(peer, {})
             for out, key, now in ((libp2p, "streams", status.get("bytes", {})),
@@ -137,6 +137,7 @@ class TaskRun:
                             for kind, n in sorted(now.items()) if n - was.get(kind, 0)}
             task = status.get("task") or {}
             task_bytes[peer] = task.get("bytes", {})
+            screened[peer] = task.get("screened", {})
             train_s, round_s = task.get("train_seconds", 0.0), task.get("round_seconds", 0.0)
             utilization[peer] = {"train_seconds": train_s, "round_seconds": round_s,
                                  "train_fraction": round(train_s / round_s, 3) if round_s else None}
@@ -151,6 +152,8 @@ class TaskRun:
             "bytes_wire": wire, "bytes_libp2p": libp2p, "bytes_task_shardcast": task_bytes,
             "gossip_bytes_sent": gossip,
             "utilization": utilization,
+            # Producers' slices each node's aggregations left out as empty or duplicate: none in an honest swarm.
+            "screened": screened,
         }
 
     def ok(self, report: dict) -> tuple[bool, str]:

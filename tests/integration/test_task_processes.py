@@ -80,6 +80,7 @@ def test_three_nodes_agree_every_round_loss_falls_and_a_late_fourth_catches_up(t
     # The late node became a member and trained: the last rounds count four members, all agreeing.
     assert rounds[-1]["members"] == 4 and len(rounds[-1]["weights_hash_by_node"]) == 4, rounds[-1]
     assert all(len(r["weights_hash_by_node"]) >= 3 for r in rounds)
+    assert not any(report["screened"].values()), report["screened"]  # honest updates are never screened out
     losses = [r["eval_loss"] for r in rounds]
     assert losses[-1] < losses[0], losses
     joined = agreed_hashes(late)
