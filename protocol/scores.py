@@ -20,6 +20,8 @@ PENALTIES = {
     "false_accusation": 25.0,
     # An update with nothing in it (zeros), found the same way by every aggregator (node/tasks/robust.py screen).
     "empty_update": 30.0,
+    # An update pointing against the median of the slice's others (a sign flip): rarer than noise can explain.
+    "opposed_update": 20.0,
     # Refused inside the libp2p host (p2p.guards), below our own handlers.
     "gossip_rpc_malformed": 20.0,
     "gossip_rpc_oversize": 20.0,

@@ -202,8 +202,9 @@ class AggregationSpec:
     only aggregator honest."""
     screen: bool = False
     """Before any rule, leave out the producers whose slice is no contribution: next to nothing (a norm at
-    most 1% of the slice's median producer norm: zeros) or a near copy of another producer's (cosine 0.99
-    or more); node/tasks/robust.py ``screen``. An aggregate that lists such a slice is then forged."""
+    most 1% of the slice's median producer norm: zeros), a near copy of another producer's (cosine 0.99
+    or more), or pointing against the median of the others (a sign flip); node/tasks/robust.py ``screen``.
+    An aggregate that lists such a slice is then forged."""
 
     def __post_init__(self) -> None:
         _need(isinstance(self.screen, bool), "aggregation.screen must be true or false")

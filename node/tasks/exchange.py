@@ -36,7 +36,9 @@ or stalls must cost the slice its contribution, not make the aggregate miss that
 KEEP_STATES = 2
 """States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
 SCREENED = {"empty": "next to nothing (zeros): charged empty_update",
-            "duplicate": "a near copy of another producer's slice (both left out, neither charged)"}
+            "duplicate": "a near copy of another producer's slice (both left out, neither charged)",
+            "opposed": "it points against the others' median: charged opposed_update"}
+CHARGED = {"empty": "empty_update", "opposed": "opposed_update"}
 STATE_RETENTION_DEADLINES = 2.0
 """A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
 deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
@@ -52,7 +54,7 @@ class Exchange:
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize = keypair.peer_id, keypair, penalize
         self.screened: Counter[str] = Counter()
-        """Slices this node's aggregations left out by the screen, by reason ("empty", "duplicate")."""
+        """Slices this node's aggregations left out by the screen, by reason ("empty", "duplicate", "opposed")."""
         self.offers: dict[str, DatasetOffer] = {}
         self._offers_changed = trio.Event()
         self._offer_path: Path | None = None
@@ -207,8 +209,8 @@ class Exchange:
             log.warning("task %s round %d: slice %d from %s left out: %s", self.tid[:12], job.round, job.slice,
                         producer, SCREENED[why])
             self.screened[why] += 1
-            if why == "empty":
-                self.penalize(producer, "empty_update")
+            if why in CHARGED:
+                self.penalize(producer, CHARGED[why])
         included = tuple(sorted(p for p in got if p not in bad and p not in screened))
         if data is None or not included:
             return None

@@ -59,19 +59,19 @@ def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_
     assert any("does not match the updates it lists" in text for text in logs)
 
 
-FREE_RIDING_ROUNDS = 8
+HOSTILE_ROUNDS = 8
 
 
-@pytest.mark.timeout(300)
-def test_a_free_rider_publishing_zeros_is_screened_out_charged_and_never_credited(tmp_path):
+def hostile_run(tmp_path, module: str):
+    """Three honest node processes and one running ``module`` train the demo task; (honest, the other, run)."""
     swarm = Swarm(4, tmp_path, env=ENV)
-    rider = swarm.nodes[3]
-    rider.module = "tests.integration.free_riding_node"
+    other = swarm.nodes[3]
+    other.module = module
     honest = swarm.nodes[:3]
     try:
         swarm.start(watch_interval_s=0.3)
         wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
-        run = TaskRun(swarm, tiny_fields(FREE_RIDING_ROUNDS, inner_steps=20))
+        run = TaskRun(swarm, tiny_fields(HOSTILE_ROUNDS, inner_steps=20))
         swarm.task_id = run.publish()
         wait_for(lambda: all(run.mine(n).get("phase") == "finished" for n in honest), 200,
                  "the honest nodes finish", swarm)
@@ -79,19 +79,38 @@ def test_a_free_rider_publishing_zeros_is_screened_out_charged_and_never_credite
             node.status = node.call("/status")
     finally:
         swarm.stop()
+    return honest, other, run
+
+
+def screened_out_and_never_credited(honest, other, run, reason: str) -> list[float]:
+    """Every honest aggregator left the hostile node's slices out for ``reason``, no honest ledger credits it,
+    the honest nodes agree on every round and their held-out loss falls; the losses."""
     tasks = [node.status["task"] for node in honest]
-    # Every honest aggregator found its slices empty and charged it; none of its zeros went into the weights,
-    # and no honest ledger credits it with a single round.
-    assert all(task["screened"].get("empty", 0) >= 1 for task in tasks), [task["screened"] for task in tasks]
+    assert all(task["screened"].get(reason, 0) >= 1 for task in tasks), [task["screened"] for task in tasks]
+    assert all(set(task["screened"]) == {reason} for task in tasks), [task["screened"] for task in tasks]
     credited = {r.producer for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs}
     assert credited == {node.peer_id for node in honest}, credited
     print(json.dumps({"screened": [task["screened"] for task in tasks],
-                      "banned": [rider.peer_id in node.status["banned_peers"] for node in honest],
+                      "banned": [other.peer_id in node.status["banned_peers"] for node in honest],
                       "eval_losses": tasks[0]["eval_losses"]}))
     rounds = {}
     for task in tasks:
         for row in task["agreement"]:
             rounds.setdefault(row["round"], set()).add(row["weights_hash"])
-    assert sorted(rounds) == list(range(FREE_RIDING_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0], losses
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_a_free_rider_publishing_zeros_is_screened_out_charged_and_never_credited(tmp_path):
+    screened_out_and_never_credited(*hostile_run(tmp_path, "tests.integration.free_riding_node"), "empty")
+
+
+@pytest.mark.timeout(300)
+def test_a_sign_flipping_trainer_is_screened_out_charged_and_never_credited(tmp_path):
+    losses = screened_out_and_never_credited(*hostile_run(tmp_path, "tests.integration.sign_flipping_node"),
+                                             "opposed")
+    # Nothing of it was applied: one -10x update in a mean of four sends the loss up, not down.
+    assert max(losses) <= losses[0], losses

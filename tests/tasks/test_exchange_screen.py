@@ -50,7 +50,7 @@ def mid(producer: str) -> str:
 
 
 async def test_zeros_and_a_copy_are_left_out_and_only_the_zeros_are_charged(tmp_path, monkeypatch):
-    values = {mid(p): own_values(p, NUMEL, 0.1) for p in ("a", "b", "c", "d")}
+    values = {mid(p): own_values(p, NUMEL, 0.5) for p in ("a", "b", "c", "d")}
     values[mid("zeros")] = torch.zeros(NUMEL)
     values[mid("copier")] = values[mid("c")] + 0.01 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
     exchange, charged = wired(tmp_path, monkeypatch, values)
@@ -77,3 +77,12 @@ async def test_a_slice_whose_every_update_is_screened_out_has_no_aggregate_and_n
     exchange, charged = wired(tmp_path, monkeypatch, values)
     assert await exchange.aggregate(Aggregate(4, 0, updates("a", "copier"))) is None
     assert charged == []
+
+
+async def test_a_sign_flipped_update_is_left_out_and_charged(tmp_path, monkeypatch):
+    values = {mid(p): own_values(p, NUMEL, 0.5) for p in ("a", "b", "c")}
+    values[mid("flip")] = values[mid("a")] * -10.0
+    exchange, charged = wired(tmp_path, monkeypatch, values)
+    made = await exchange.aggregate(Aggregate(4, 0, updates("a", "b", "c", "flip")))
+    assert made.included == ("a", "b", "c") and charged == [("flip", "opposed_update")]
+    assert dict(exchange.screened) == {"opposed": 1}

@@ -10,7 +10,7 @@ from node.tasks import compute, robust
 from node.train.compress import decode_int8, encode_int8
 from protocol.errors import IntegrityError
 from protocol.task import AggregationSpec
-from tests.tasks.test_robust import honest, rand
+from tests.tasks.test_robust import decoded, honest, rand
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +38,8 @@ def test_next_to_nothing_is_empty_but_a_small_honest_update_is_not():
     numel = 4 * 256
     slices = honest(numel, peers=4)
     tiny = {"tiny": (encode_int8(rand(5, numel, scale=0.01 * 0.005)), 96)}  # 0.5% of the others' norm
-    small = {"small": (encode_int8(rand(5, numel, scale=0.01 * 0.3)), 96)}  # a producer that trained a few steps
+    # A producer that trained a few steps: the others' direction, a third of their size.
+    small = {"small": (encode_int8((rand(100, numel) + rand(5, numel) * 0.5) * 0.3), 96)}
     assert robust.combine({**slices, **tiny}, numel, SCREEN).screened == {"tiny": "empty"}
     assert robust.combine({**slices, **small}, numel, SCREEN).screened == {}
 
@@ -61,6 +62,7 @@ def test_the_screen_decides_alike_whatever_the_threads_and_chunks(monkeypatch):
     slices = honest(numel, peers=5)
     slices["copier"] = (near_copy(slices, "p1", numel, 0.1), 50)
     slices["zz"] = (encode_int8(torch.zeros(numel)), 50)
+    slices["flip"] = (flipped(slices, "p3", numel, -10.0), 50)
     threads = torch.get_num_threads()
     outs = []
     try:
@@ -72,7 +74,7 @@ def test_the_screen_decides_alike_whatever_the_threads_and_chunks(monkeypatch):
         outs.append(robust.combine(slices, numel, SCREEN))
     finally:
         torch.set_num_threads(threads)
-    assert all(o.screened == {"copier": "duplicate", "p1": "duplicate", "zz": "empty"} for o in outs)
+    assert all(o.screened == {"copier": "duplicate", "flip": "opposed", "p1": "duplicate", "zz": "empty"} for o in outs)
     assert len({bytes(o.data) for o in outs}) == 1
 
 
@@ -96,3 +98,36 @@ def test_without_the_screen_nothing_is_left_out_and_a_slice_screened_empty_has_n
     assert alone.data is None and alone.screened == {"zz": "empty"} and alone.bad == []  # nobody is blamed corrupt
     with pytest.raises(IntegrityError):
         robust.aggregate_slice(zeros, numel, SCREEN)
+
+
+def flipped(slices: dict, of: str, numel: int, factor: float) -> bytearray:
+    return encode_int8(decode_int8(slices[of][0], numel) * factor)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.rule)
+def test_a_sign_flipped_update_is_opposed_left_out_and_the_rest_recompute_to_the_same_bytes(spec):
+    numel = 5 * 256 + 9
+    slices = honest(numel, peers=4)
+    out = robust.combine({**slices, "flip": (flipped(slices, "p1", numel, -10.0), 10_000)}, numel, spec)
+    assert out.screened == {"flip": "opposed"}
+    assert bytes(out.data) == bytes(robust.combine(slices, numel, spec).data)
+    assert robust.combine(slices, numel, spec).screened == {}
+
+
+def test_inner_product_manipulation_is_opposed_too_and_two_attackers_of_eight_are_both_found():
+    numel = 4 * 256
+    slices = honest(numel, peers=6)
+    mean = decoded(slices, numel).mean(dim=0).float()
+    ipm = {"ipm": (encode_int8(mean * -0.5), 96), "flip": (flipped(slices, "p0", numel, -3.0), 96)}
+    assert robust.combine({**slices, **ipm}, numel, SCREEN).screened == {"flip": "opposed", "ipm": "opposed"}
+
+
+def test_no_direction_is_opposed_without_a_majority_or_with_two_producers():
+    numel = 3 * 256
+    two = honest(numel, peers=2)
+    alone = {"p0": two["p0"], "flip": (flipped(two, "p0", numel, -10.0), 9)}
+    assert robust.combine(alone, numel, SCREEN).screened == {}  # one against one
+    assert robust.combine({**two, "flip": alone["flip"]}, numel, SCREEN).screened == {"flip": "opposed"}
+    # Two against two: whichever side is "right", no majority says so.
+    pair = {"f0": (flipped(two, "p0", numel, -1.5), 9), "f1": (flipped(two, "p1", numel, -1.5), 9)}
+    assert robust.combine({**two, **pair}, numel, SCREEN).screened == {}
