@@ -70,6 +70,8 @@ class SwarmNode:
     log_path: Path | None = None
     module: str = "node.cli"
     """What ``python -m`` runs: Shoal's CLI, or a test's modified node (a hostile peer) that wraps it."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment for this node alone, over the swarm's."""
 
     def start(self, bootstrap: str | None, extra_args: list[str], extra_env: dict[str, str]) -> None:
         argv = [sys.executable, "-m", self.module, "start", "--data-dir", str(self.data_dir), "--listen", self.listen,
@@ -80,7 +82,7 @@ class SwarmNode:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.ready_event, self.exit_code, self.seen_all_at = threading.Event(), None, None
         log = open(self.log_path, "ab")  # a restarted node appends to its log
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **extra_env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **extra_env, **self.env}
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv_prefix + argv, stdout=subprocess.PIPE, stderr=log, env=env,
                                      cwd=str(ROOT), start_new_session=True)

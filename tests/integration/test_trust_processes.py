@@ -18,7 +18,7 @@ ROUNDS = 6
 def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_path):
     swarm = Swarm(4, tmp_path, env=ENV)
     forger = swarm.nodes[3]
-    forger.module = "tests.integration.forging_node"
+    forger.module, forger.env = "tests.integration.hostile_node", {"HOSTILE_ATTACK": "forge"}
     honest = swarm.nodes[:3]
     try:
         swarm.start(watch_interval_s=0.3)
@@ -62,11 +62,12 @@ def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_
 HOSTILE_ROUNDS = 8
 
 
-def hostile_run(tmp_path, module: str):
-    """Three honest node processes and one running ``module`` train the demo task; (honest, the other, run)."""
+def hostile_run(tmp_path, attack: str):
+    """Three honest node processes and one making ``attack`` (tests/integration/hostile_node.py) train the demo
+    task; (honest, the hostile one, run)."""
     swarm = Swarm(4, tmp_path, env=ENV)
     other = swarm.nodes[3]
-    other.module = module
+    other.module, other.env = "tests.integration.hostile_node", {"HOSTILE_ATTACK": attack}
     honest = swarm.nodes[:3]
     try:
         swarm.start(watch_interval_s=0.3)
@@ -105,12 +106,11 @@ def screened_out_and_never_credited(honest, other, run, reason: str) -> list[flo
 
 @pytest.mark.timeout(300)
 def test_a_free_rider_publishing_zeros_is_screened_out_charged_and_never_credited(tmp_path):
-    screened_out_and_never_credited(*hostile_run(tmp_path, "tests.integration.free_riding_node"), "empty")
+    screened_out_and_never_credited(*hostile_run(tmp_path, "zeros"), "empty")
 
 
 @pytest.mark.timeout(300)
 def test_a_sign_flipping_trainer_is_screened_out_charged_and_never_credited(tmp_path):
-    losses = screened_out_and_never_credited(*hostile_run(tmp_path, "tests.integration.sign_flipping_node"),
-                                             "opposed")
+    losses = screened_out_and_never_credited(*hostile_run(tmp_path, "sign_flip"), "opposed")
     # Nothing of it was applied: one -10x update in a mean of four sends the loss up, not down.
     assert max(losses) <= losses[0], losses

@@ -1,0 +1,68 @@
+"""A Shoal node that attacks the swarm it trains with, chosen by ``HOSTILE_ATTACK`` (not ``SHOAL_...``: the node
+refuses unknown config keys) (``python -m tests.integration.hostile_node start ...``); otherwise it follows
+the protocol:
+
+    forge      every aggregate it makes is -10x what its inputs give, stored, hashed and signed as an
+               honest aggregate would be, and it never bans anyone (its checks of aggregates are off)
+    zeros      every slice of every update it publishes is zeros, its full sample count claimed
+    sign_flip  it trains honestly and publishes -10x its update
+    gaussian   it trains honestly and publishes its update plus Gaussian noise of 10x the update's rms
+    stale      it publishes its first round's update again in every later round
+
+Only the trust tests and scripts/bench_byzantine.py start it; nothing in Shoal imports it."""
+
+import os
+import re
+import sys
+
+import torch
+
+from node import cli
+from node.tasks import compute
+from node.tasks.exchange import Exchange
+from node.train.compress import encode_blocks, encode_int8
+from protocol.audit import Audit
+
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale")
+ATTACK = os.environ.get("HOSTILE_ATTACK", "")
+if ATTACK not in ATTACKS:
+    sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
+
+_publish = Exchange._publish_payload
+_UPDATE = re.compile(r"/r\d+/u(\d+)$")
+_AGGREGATE = re.compile(r"/r\d+/a(\d+)$")
+_first: dict[int, bytearray] = {}
+_noise = torch.Generator().manual_seed(7)
+
+
+def _update(self, data, slice_index: int):
+    numel = self._slice_numel(slice_index)
+    if ATTACK == "zeros":
+        return encode_blocks(torch.zeros(numel), bits=self.bits)
+    if ATTACK == "stale":
+        return _first.setdefault(slice_index, bytearray(data))
+    x = compute.decode_slice(data, numel, self.bits)
+    if ATTACK == "sign_flip":
+        return encode_blocks(-10.0 * x, bits=self.bits)
+    if ATTACK == "gaussian":
+        rms = float(x.square().mean().sqrt())
+        return encode_blocks(x + torch.randn(numel, generator=_noise) * (10.0 * rms), bits=self.bits)
+    return data
+
+
+async def _hostile_publish(self, data, label):
+    update, aggregate = _UPDATE.search(label), _AGGREGATE.search(label)
+    if update and ATTACK != "forge":
+        data = _update(self, data, int(update.group(1)))
+    elif aggregate and ATTACK == "forge":
+        numel = self._slice_numel(int(aggregate.group(1)))
+        data[:] = encode_int8(-10.0 * compute.decode_slice(data, numel, 8))
+    return await _publish(self, data, label)
+
+
+Exchange._publish_payload = _hostile_publish
+if ATTACK == "forge":
+    Audit.judge = lambda self, aggregate, accuser=None: []  # it never bans anyone, least of all the honest
+
+if __name__ == "__main__":
+    sys.exit(cli.main())
