@@ -27,6 +27,7 @@ seeds and the JSON keeps the mean, the spread and every run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from node.identity import KEY_FILE  # noqa: E402
 from node.tasks.ledger import read  # noqa: E402
 from node.train.data import build_corpus, corpus_id  # noqa: E402
 from protocol.receipts import latest  # noqa: E402
@@ -75,6 +77,13 @@ def _banned_everywhere(honest, attackers) -> bool:
 def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, inner_steps: int,
             limit_s: float, seed: int = 0) -> dict:
     swarm = Swarm(nodes, work, env=ENV)
+    for node in swarm.nodes:
+        # The same keys in every run of a seed: the rendezvous hash gives each node the same data shards, so
+        # runs differ by their attack, not by which node trained on what.
+        node.data_dir.mkdir(parents=True, exist_ok=True)
+        key = node.data_dir / KEY_FILE
+        key.write_bytes(hashlib.sha256(f"bench-byzantine/{seed}/{node.index}".encode()).digest())
+        key.chmod(0o600)
     bad = swarm.nodes[nodes - attackers:] if attack != "clean" else []
     for node in bad:
         node.module, node.env = "tests.integration.hostile_node", {"HOSTILE_ATTACK": attack}
