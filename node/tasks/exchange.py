@@ -46,13 +46,14 @@ deadline) started while it was the newest must find it, however many short round
 
 class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
-                 penalize: Callable[[str, str], None], num_params: Callable[[], int]):
+                 penalize: Callable[[str, str], None], num_params: Callable[[], int],
+                 banned: Callable[[str], bool] = lambda peer: False):
         self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
         self.bits = BITS[spec.compression]
         """Bits per value of the producers' slices; aggregates are always int8."""
         self.num_params = num_params
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
-        self.me, self.keypair, self.penalize = keypair.peer_id, keypair, penalize
+        self.me, self.keypair, self.penalize, self.banned = keypair.peer_id, keypair, penalize, banned
         self.screened: Counter[str] = Counter()
         """Slices this node's aggregations left out by the screen, by reason ("empty", "duplicate", "opposed")."""
         self.offers: dict[str, DatasetOffer] = {}
@@ -190,7 +191,10 @@ class Exchange:
 
         async with trio.open_nursery() as nursery:
             for update in job.updates:
-                nursery.start_soon(one, update)
+                # A producer this node banned (after it announced) no longer serves us: fetching its slice
+                # would only wait out the fetch deadline.
+                if not self.banned(update.producer):
+                    nursery.start_soon(one, update)
         if not got:
             return None
         screened: dict[str, str] = {}
@@ -294,7 +298,10 @@ class Exchange:
 
         async def one(i: int) -> None:
             chosen = job.chosen[i]
-            for candidate in (chosen, *(job.same[i] if job.same else ())):
+            # Every candidate holds the same bytes; one this node banned would not serve them (a fetch from it
+            # waits out its timeout), so it is tried last.
+            candidates = sorted((chosen, *(job.same[i] if job.same else ())), key=lambda c: self.banned(c.aggregator))
+            for candidate in candidates:
                 try:
                     manifest, data = await self._fetch_payload(
                         candidate.manifest_id, candidate.aggregator, self._slice_numel(chosen.slice),

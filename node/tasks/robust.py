@@ -179,11 +179,14 @@ def _duplicates(views: dict[str, QuantPayload], norms: dict[str, float], numel: 
             digests.setdefault(hashes[p].digest(), []).append(p)
         return {p for group in digests.values() if len(group) > 1 for p in group}
     pairs = [(i, j) for i in range(len(peers)) for j in range(i + 1, len(peers))]
+    # One exactly rounded sum per chunk and pair (chunks depend only on the producer count and the slice's
+    # size, the same on every node): a pair's row sums of a whole slice would be n(n-1)/2 x numel/256 floats.
     parts: list[list[float]] = [[] for _ in pairs]
-    for _, _, stack in agg.chunks():
-        wide = stack.double()
+    product = torch.empty(agg.step, dtype=torch.float64)
+    for lo, hi, stack in agg.chunks():
+        wide, out = stack.double(), product[:hi - lo]
         for k, (i, j) in enumerate(pairs):
-            parts[k].extend(_row_sums(wide[i] * wide[j]))
+            parts[k].append(math.fsum(_row_sums(torch.mul(wide[i], wide[j], out=out))))
     found: set[str] = set()
     for (i, j), part in zip(pairs, parts):
         if math.fsum(part) >= DUPLICATE_COSINE * norms[peers[i]] * norms[peers[j]]:

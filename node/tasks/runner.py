@@ -74,7 +74,8 @@ class TaskRunner:
         self.hf = HFTask(self) if spec.hf is not None else None
         """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
-                                 keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params)
+                                 keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params,
+                                 banned=node.membership.is_banned)
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""

@@ -84,11 +84,13 @@ def hostile_run(tmp_path, attack: str):
 
 
 def screened_out_and_never_credited(honest, other, run, reason: str) -> list[float]:
-    """Every honest aggregator left the hostile node's slices out for ``reason``, no honest ledger credits it,
+    """The honest aggregators left the hostile node's slices out for ``reason``, no honest ledger credits it,
     the honest nodes agree on every round and their held-out loss falls; the losses."""
     tasks = [node.status["task"] for node in honest]
-    assert all(task["screened"].get(reason, 0) >= 1 for task in tasks), [task["screened"] for task in tasks]
-    assert all(set(task["screened"]) == {reason} for task in tasks), [task["screened"] for task in tasks]
+    # Which honest nodes aggregate its slices, and for how long before they ban it, is the rendezvous hash's
+    # choice: some may never have to.
+    assert sum(task["screened"].get(reason, 0) for task in tasks) >= 1, [task["screened"] for task in tasks]
+    assert all(set(task["screened"]) <= {reason} for task in tasks), [task["screened"] for task in tasks]
     credited = {r.producer for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs}
     assert credited == {node.peer_id for node in honest}, credited
     print(json.dumps({"screened": [task["screened"] for task in tasks],

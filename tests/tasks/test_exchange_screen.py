@@ -7,6 +7,7 @@ import hashlib
 from types import SimpleNamespace
 
 import torch
+import trio
 
 from node.tasks import compute
 from node.tasks import exchange as exchange_module
@@ -86,3 +87,12 @@ async def test_a_sign_flipped_update_is_left_out_and_charged(tmp_path, monkeypat
     made = await exchange.aggregate(Aggregate(4, 0, updates("a", "b", "c", "flip")))
     assert made.included == ("a", "b", "c") and charged == [("flip", "opposed_update")]
     assert dict(exchange.screened) == {"opposed": 1}
+
+
+async def test_an_aggregator_does_not_wait_for_a_producer_it_banned(tmp_path, monkeypatch, autojump_clock):
+    values = {mid(p): own_values(p, NUMEL, 0.5) for p in ("a", "b", "c")}
+    exchange, _ = wired(tmp_path, monkeypatch, values)
+    exchange.banned = lambda peer: peer == "gone"
+    started = trio.current_time()
+    made = await exchange.aggregate(Aggregate(4, 0, updates("a", "b", "c", "gone")))  # "gone" is never fetched
+    assert made.included == ("a", "b", "c") and trio.current_time() - started < 1
