@@ -57,7 +57,7 @@ class Combined:
     bad: list[str]
     """Producers whose slice did not decode or whose norm is past MAX_NORM: their fault, charged."""
     screened: dict[str, str]
-    """Producers the screen left out (``spec.screen``), with why: "empty" or "duplicate"."""
+    """Producers the screen left out (``spec.screen``), with why: "empty", "duplicate" or "opposed"."""
 
 
 def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN,
@@ -122,9 +122,24 @@ def screen(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) 
       (a sign flip, or an update pulling against everyone else's), when at least MIN_OPPOSED_CHECK are in
       and fewer than half of them are opposed (without a majority there is no direction to oppose).
 
-    Empty and opposed are checked again after each removal until nothing more is found, so that the
-    producers left are screened clean: recomputing an aggregate from exactly them leaves nobody else out.
+    The whole screen runs again on the producers left until it finds nothing (once more when it found
+    something: fewer producers can change the median, the norms' median, or whether copies are compared
+    pairwise), so that the producers left are screened clean: recomputing an aggregate from exactly them
+    leaves nobody else out.
     """
+    out: dict[str, str] = {}
+    live = dict(norms)
+    while live:
+        found = _screen_once({p: views[p] for p in sorted(live)}, {p: live[p] for p in sorted(live)}, numel)
+        if not found:
+            break
+        out.update(found)
+        for p in found:
+            del live[p]
+    return dict(sorted(out.items()))
+
+
+def _screen_once(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) -> dict[str, str]:
     out: dict[str, str] = {}
     live = {p: n for p, n in norms.items() if n > 0}
     out.update({p: "empty" for p in norms if p not in live})
@@ -141,7 +156,7 @@ def screen(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) 
         for p, why in found.items():
             out[p] = why
             del live[p]
-    return dict(sorted(out.items()))
+    return out
 
 
 def _opposed(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) -> list[str]:

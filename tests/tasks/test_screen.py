@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from node.tasks import compute, robust
+from node.train import compress
 from node.train.compress import decode_int8, encode_int8
 from protocol.errors import IntegrityError
 from protocol.task import AggregationSpec
@@ -131,3 +132,22 @@ def test_no_direction_is_opposed_without_a_majority_or_with_two_producers():
     # Two against two: whichever side is "right", no majority says so.
     pair = {"f0": (flipped(two, "p0", numel, -1.5), 9), "f1": (flipped(two, "p1", numel, -1.5), 9)}
     assert robust.combine({**two, **pair}, numel, SCREEN).screened == {}
+
+
+def test_what_is_left_is_screened_clean_even_when_fewer_producers_turn_on_the_pairwise_check(monkeypatch):
+    # Four producers: past the pairwise limit, so the near copy is not found at first; once the next-to-nothing
+    # one is out, three are left and it is. An aggregate recomputed from exactly what was kept must leave no
+    # one out, or an honest aggregator would be called a forger.
+    monkeypatch.setattr(robust, "MAX_PAIRWISE", 3)
+    numel = 3 * 256
+    slices = honest(numel, peers=2)
+    slices["copier"] = (near_copy(slices, "p0", numel, 0.05), 9)
+    slices["tiny"] = (encode_int8(rand(5, numel, scale=0.01 * 0.005)), 9)
+    views = {p: compress.QuantPayload(v[0], numel) for p, v in sorted(slices.items())}
+    once = robust._screen_once(views, {p: robust._norm(v, numel) for p, v in views.items()}, numel)
+    assert once == {"tiny": "empty"}  # one pass alone misses the copy
+    out = robust.combine(slices, numel, SCREEN)
+    assert out.screened == {"copier": "duplicate", "p0": "duplicate", "tiny": "empty"}
+    kept = {p: slices[p] for p in slices if p not in out.screened}
+    again = robust.combine(kept, numel, SCREEN)
+    assert again.screened == {} and bytes(again.data) == bytes(out.data)
