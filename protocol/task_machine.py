@@ -929,7 +929,7 @@ class TaskMachine:
             # win, and only between equal groups (a healed 2-2 split) the smaller hash.
             return None
         if self.head is not None and best.round <= self.head.round \
-                and self._holders(best, now) < self._holders(self.head, now):
+                and self._holders(best, now) < self._holders(self.head, now) + 1:
             # Claimed work is the claimant's word: it never pulls a node back from weights that more live
             # peers hold (to a group banned elsewhere for forging, whose own history claims more work).
             return None

@@ -153,8 +153,8 @@ class TaskRunner:
 
     def _set_phase(self) -> None:
         m = self.machine
-        if self.phase in ("failed", "declined"):
-            return
+        if self.phase in ("failed", "declined", "cancelled"):
+            return  # final: a step still unwinding under a cancelled scope must not bring the task back to life
         rec = m.rounds_seen.get(m.current)
         if m.stage is Stage.DONE:
             self.phase = "finished"

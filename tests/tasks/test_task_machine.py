@@ -588,3 +588,25 @@ def test_a_node_that_closed_collecting_before_an_update_ranks_the_aggregates_lis
               for n in names}
     assert all(chosen[n] == chosen[names[1]] for n in names)
     assert all(len(c.included) == 4 for n, e in sim.events if isinstance(e, Apply) for c in e.chosen)
+
+
+def test_one_peers_claimed_work_does_not_pull_two_nodes_off_the_weights_they_agreed_on():
+    # Seen in the netlab partition test: a node that lost round 10's vote announced its own θ_11 (its fetch of
+    # the winner's was cut by a partition), claiming more work; the nodes that had closed round 10 before its
+    # weights arrived never saw them lose, and right after the heal one of them, hearing only one other
+    # holder of the agreed θ_11, fetched the loser's. This node and that holder are two against one.
+    from protocol.round import Head
+    from protocol.task import WeightsAnnounce
+    from protocol.task_machine import TaskMachine
+    H, S, X, SX, M, MX = ("%02x" % i * 32 for i in range(1, 7))
+    m = TaskMachine(task_id=TASK, self_id="a", rounds=20, num_slices=1, aggregators_per_slice=1, round_deadline_s=10.0,
+                    quiet_after_s=3.0, listen_s=0.0, min_members=3, max_members=8, max_samples=100)
+    m.start(Head(round=11, weights_hash=H, state_hash=S, work=30), 0.0)
+    m.set_heard({"b": 1.0, "c": 1.0}, 1.0)
+    loser = WeightsAnnounce(task_id=TASK, round=10, peer_id="c", weights_hash=X, state_hash=SX, state_manifest=MX,
+                            eval_loss=1.0, work=31)
+    m.handle(loser, 1.0)
+    assert m._better_head(1.0) is not None  # one against one: the claimed work decides, as before
+    m.handle(WeightsAnnounce(task_id=TASK, round=10, peer_id="b", weights_hash=H, state_hash=S, state_manifest=M,
+                             eval_loss=1.0, work=30), 1.0)
+    assert m._better_head(1.0) is None
