@@ -135,10 +135,12 @@ def print_task(t: dict, console: Console | None = None) -> None:
         head.add_row("time", f"{train_s:.1f} s training, {round_s:.1f} s in rounds{share}")
         dropped = t.get("dropped", {})
         head.add_row("rejected", ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "none")
-        screened = t.get("screened") or {}
-        if screened:
-            head.add_row("screened out", ", ".join(f"{k}: {v}" for k, v in sorted(screened.items()))
-                         + " (slices this node's aggregations left out)")
+        screened, applied = t.get("screened") or {}, t.get("screened_applied") or {}
+        parts = [", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + note for counts, note in (
+            (applied, " (slices left out of the applied aggregates, charged alike on every node)"),
+            (screened, " left out by this node's aggregations")) if counts]
+        if parts:
+            head.add_row("screened out", "; ".join(parts))
         errors = t.get("receipt_errors", 0)
         head.add_row("receipts", f"{t.get('receipts', 0)} sealed (`shoal ledger {t['id'][:12]}` lists them)"
                      + (f"; {errors} round(s) not written (see the log)" if errors else ""))

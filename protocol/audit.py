@@ -19,7 +19,8 @@ from protocol.envelope import open_sealed
 from protocol.errors import RemoteProtocolError
 from protocol.task import AggregateAnnounce, AggregateProof
 
-Key = tuple[int, int, tuple[str, ...], tuple[str, ...]]
+Key = tuple
+"""AggregateAnnounce.key(): round, slice, then what the aggregate is a function of."""
 
 MAX_ACCUSATIONS_PER_KEY = 8
 """Accusers remembered per aggregate key while it is recomputed; the rest are judged by the verdict alone."""
@@ -39,12 +40,15 @@ class Input:
 @dataclass(frozen=True, slots=True)
 class Verify:
     """Recompute slice ``slice`` of ``round`` from exactly these inputs (sorted by producer) with the task's
-    aggregation rule; answer Verified with ``key`` and the result's hash."""
+    aggregation rule; answer Verified with ``key`` and the result's hash. ``screened``: the slices the
+    aggregate says the screen left out, with why; the screen over inputs and these together must leave out
+    exactly these, for exactly these reasons, or the answer is UNDECODABLE."""
 
     round: int
     slice: int
     inputs: tuple[Input, ...]
     key: Key
+    screened: tuple[tuple[Input, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,13 +87,15 @@ class FalseAccusation:
 
 UNDECODABLE = "0" * 64
 """The verdict for inputs of which one is no slice of this round by its producer (not signed by it, labelled
-for another round or slice, or not decoding): no honest aggregate lists such a slice."""
+for another round or slice, or not decoding), or that the screen judges otherwise than the aggregate says:
+no honest aggregate lists such a slice."""
 
 
 @dataclass
 class Audit:
     banned: set[str] = field(default_factory=set)
-    """Aggregators proven to have signed a forged aggregate: nothing of theirs counts for the rest of the task."""
+    """Peers proven to lie (a signed aggregate its inputs contradict, a signed update no honest node can make):
+    nothing of theirs counts for the rest of the task."""
     verdicts: dict[Key, str | None] = field(default_factory=dict)
     """Per aggregate key, what its inputs give (None: they could not be fetched)."""
     asked: set[Key] = field(default_factory=set)
@@ -107,13 +113,14 @@ class Audit:
             return True, self.verdicts[key]
         return False, None
 
-    def ask(self, a: AggregateAnnounce, inputs: tuple[Input, ...]) -> list[Verify]:
+    def ask(self, a: AggregateAnnounce, inputs: tuple[Input, ...],
+            screened: tuple[tuple[Input, str], ...] = ()) -> list[Verify]:
         """A Verify for ``a``'s key, unless one is under way or answered."""
         key = a.key()
         if key in self.asked or key in self.verdicts:
             return []
         self.asked.add(key)
-        return [Verify(a.round, a.slice, inputs, key)]
+        return [Verify(a.round, a.slice, inputs, key, screened)]
 
     def accuse(self, accuser: str, a: AggregateAnnounce) -> None:
         waiting = self.accusations.setdefault(a.key(), [])

@@ -27,7 +27,7 @@ def aggregators(task_id: str, r: int, slice_index: int, members, k: int) -> tupl
 
 
 def choose_aggregate(candidates, held=None) -> AggregateAnnounce:
-    """Most producers covered wins; aggregation is deterministic, so equal inputs mean equal bytes from
+    """Most producers covered (combined or screened out, AggregateAnnounce.accounted) wins; aggregation is deterministic, so equal inputs mean equal bytes from
     honest aggregators. Where equal coverage gives different results the smaller hash is only the
     candidate the task machine recomputes first (protocol/audit.py): it is applied only if it matches.
 
@@ -37,11 +37,12 @@ def choose_aggregate(candidates, held=None) -> AggregateAnnounce:
     aggregate used does not rank it: a restarted producer signs a second one, and nodes that heard
     different ones must still rank alike; a slice its producer never signed is caught by recomputation."""
     if held is None:
-        return min(candidates, key=lambda m: (-len(m.included), m.result_hash))
+        return min(candidates, key=lambda m: (-len(m.accounted()), m.result_hash))
 
     def rank(m: AggregateAnnounce) -> tuple:
-        known = sum(1 for p in m.included if p in held)
-        return -known, len(m.included) - known, m.result_hash
+        accounted = m.accounted()
+        known = sum(1 for p in accounted if p in held)
+        return -known, len(accounted) - known, m.result_hash
     return min(candidates, key=rank)
 
 

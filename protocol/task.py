@@ -27,6 +27,8 @@ MAX_PIN_CHARS = 64
 KNOWN_COMPRESSIONS = ("int8", "int4", "int2")
 KNOWN_DEVICES = ("cpu", "cuda", "any")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "centered_clip")
+SCREEN_REASONS = ("empty", "duplicate", "opposed")
+"""Why the screen left a producer's slice out of an aggregate (node/tasks/robust.py ``screen``)."""
 MAX_NORM_BOUND = 100.0
 
 MAX_NAME_CHARS = 128
@@ -381,14 +383,19 @@ class UpdateAnnounce:
         _need(len(self.losses) <= MAX_LOSSES and all(_finite(x) for x in self.losses), "losses must be finite")
 
 
-@message(tag=27)
+@message(tag=27, optional_tail=("screened", "screened_inputs", "screened_why"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AggregateAnnounce:
     """An aggregator's combination of one slice over ``included`` producers (sorted ids).
 
     ``inputs[i]`` is the manifest of producer ``included[i]``'s slice that went into it, as that
     producer's signed UpdateAnnounce names it: aggregation is deterministic, so anyone holding those
-    updates can recompute ``result_hash``, and a signed aggregate that does not match them is proof."""
+    updates can recompute ``result_hash``, and a signed aggregate that does not match them is proof.
+
+    ``screened`` (sorted, none of them included) are the producers whose slices ``screened_inputs`` the
+    screen left out, for ``screened_why``: the screen is deterministic too, so the claim is checked with
+    the result. Every node charges them alike once the aggregate is confirmed, and a node that holds
+    nothing beyond included and screened knows no aggregate of the slice can cover more."""
 
     task_id: str
     round: int
@@ -398,6 +405,9 @@ class AggregateAnnounce:
     inputs: tuple[str, ...]
     manifest_id: str
     result_hash: str
+    screened: tuple[str, ...] = ()
+    screened_inputs: tuple[str, ...] = ()
+    screened_why: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_task(self.task_id)
@@ -408,10 +418,22 @@ class AggregateAnnounce:
         _need(len(self.inputs) == len(self.included) and all(_is_hex_hash(m) for m in self.inputs),
               "inputs must name one hex manifest id per included producer")
         _need(_is_hex_hash(self.manifest_id) and _is_hex_hash(self.result_hash), "ids must be hex sha256")
+        _need(len(self.included) + len(self.screened) <= MAX_MEMBERS, "included and screened name at most 10000")
+        _need(list(self.screened) == sorted(set(self.screened)) and not set(self.screened) & set(self.included),
+              "screened must be sorted, distinct and none of them included")
+        _need(len(self.screened_inputs) == len(self.screened) and all(_is_hex_hash(m) for m in self.screened_inputs),
+              "screened_inputs must name one hex manifest id per screened producer")
+        _need(len(self.screened_why) == len(self.screened) and all(w in SCREEN_REASONS for w in self.screened_why),
+              f"screened_why must give one of {list(SCREEN_REASONS)} per screened producer")
 
-    def key(self) -> tuple[int, int, tuple[str, ...], tuple[str, ...]]:
+    def key(self) -> tuple:
         """What the aggregate is a function of: aggregates with equal keys must have equal results."""
-        return self.round, self.slice, self.included, self.inputs
+        return self.round, self.slice, self.included, self.inputs, self.screened, self.screened_inputs, \
+            self.screened_why
+
+    def accounted(self) -> set[str]:
+        """The producers this aggregate decided on: those it combined and those the screen left out."""
+        return {*self.included, *self.screened}
 
 
 @message(tag=33)

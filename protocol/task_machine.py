@@ -116,6 +116,10 @@ class Aggregated:
     """The manifest of each included producer's slice that went in (AggregateAnnounce.inputs)."""
     manifest_id: str
     result_hash: str
+    screened: tuple[str, ...] = ()
+    """The producers the screen left out, sorted, with their slices' manifests and why (AggregateAnnounce)."""
+    screened_inputs: tuple[str, ...] = ()
+    screened_why: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,8 +260,30 @@ class Finished:
     round: int
 
 
+@dataclass(frozen=True, slots=True)
+class ScreenedOut:
+    """The screen left these producers' slices out of slice ``slice``'s applied aggregate, which its aggregator
+    computed here, another confirmed, or a recomputation did: every node that applies it charges them alike."""
+
+    round: int
+    slice: int
+    producers: tuple[tuple[str, str], ...]
+    """(producer, why) pairs, why one of protocol.task.SCREEN_REASONS."""
+
+
+@dataclass(frozen=True, slots=True)
+class Impossible:
+    """``peer`` signed an update no honest node can make: more samples than the task's inner steps draw
+    (``inner_steps x batch_size``: a bid for more weight in the mean), or another number of slices. Every node
+    that hears it decides alike: the peer is banned from the task and owed nothing from now on."""
+
+    round: int
+    peer_id: str
+    reason: str
+
+
 Effect = Publish | Train | Aggregate | Apply | FetchState | MakeInitial | RoundClosed | Dissent | Overdue | Finished \
-    | Verify | Forged | FalseAccusation
+    | Verify | Forged | FalseAccusation | ScreenedOut | Impossible
 
 
 _WORK_EVENTS = (Trained, Aggregated, Applied, Synced, SyncFailed, Verified)
@@ -667,7 +693,18 @@ class TaskMachine:
             return []
         if len(msg.manifest_ids) != self.num_slices or msg.samples > self.max_samples:
             self.dropped["bad_update"] += 1
-            return []
+            if msg.producer == self.self_id or msg.producer in self.audit.banned:
+                return []
+            # Signed and impossible: banned here as on every node that hears it, and never waited for again
+            # (a member whose every update is refused used to hold each round to its deadline).
+            why = (f"claimed {msg.samples} samples, more than the {self.max_samples} a round's inner steps draw"
+                   if msg.samples > self.max_samples else
+                   f"sent {len(msg.manifest_ids)} slices where the task has {self.num_slices}")
+            self.audit.banned.add(msg.producer)
+            self._members_cache.clear()
+            self._best_dirty = True
+            return [Impossible(msg.round, msg.producer, why),
+                    *(self._advance(rec, now) if rec.index == self.current else [])]
         if rec.base is not None and msg.base_hash != rec.base.weights_hash:
             self.dropped["wrong_base"] += 1
             return []
@@ -697,19 +734,21 @@ class TaskMachine:
         rec.heard_updates = {p: us for p, us in heard.items() if us}
 
     @staticmethod
-    def _inputs_of(rec: RoundState, a: AggregateAnnounce) -> tuple[Input, ...] | None:
-        """What recomputing ``a`` takes, or None when it lists a producer we have not heard this round (or one
-        banned). A listed manifest we did not hear (a producer restarted mid-round signs a second update;
-        a restarted node never hears its old self's) is still checkable: its producer's signature and its
-        label are checked where it is fetched. Only its samples are then unknown."""
+    def _inputs_of(rec: RoundState, a: AggregateAnnounce) -> tuple[tuple[Input, ...], tuple] | None:
+        """What recomputing ``a`` takes (the included inputs, and the screened ones with why), or None when it
+        lists a producer we have not heard this round (or one banned). A listed manifest we did not hear (a
+        producer restarted mid-round signs a second update; a restarted node never hears its old self's) is
+        still checkable: its producer's signature and its label are checked where it is fetched. Only its
+        samples are then unknown."""
         out = []
-        for p, mid in zip(a.included, a.inputs):
+        for p, mid in (*zip(a.included, a.inputs), *zip(a.screened, a.screened_inputs)):
             heard = rec.heard_updates.get(p)
             if not heard:
                 return None
             exact = next((u for u in heard if u.manifest_ids[a.slice] == mid), None)
             out.append(Input(p, mid, exact.samples if exact is not None else None))
-        return tuple(out)
+        n = len(a.included)
+        return tuple(out[:n]), tuple(zip(out[n:], a.screened_why))
 
     def _judged(self, effects: list[Effect]) -> list[Effect]:
         """A ban changes the members, the votes and the heads to move to."""
@@ -761,7 +800,7 @@ class TaskMachine:
             self.dropped["unjudged_proof"] += 1  # not our round, or we lack its inputs: nobody is charged
             return []
         self.audit.accuse(ev.accuser, a)
-        return list(self.audit.ask(a, inputs))
+        return list(self.audit.ask(a, *inputs))
 
     def _on_WeightsAnnounce(self, msg: WeightsAnnounce, now: float) -> list[Effect]:
         if msg.task_id != self.task_id or msg.peer_id == self.self_id:
@@ -814,7 +853,8 @@ class TaskMachine:
             return []
         msg = AggregateAnnounce(task_id=self.task_id, round=ev.round, slice=ev.slice, aggregator=self.self_id,
                                 included=ev.included, inputs=ev.inputs, manifest_id=ev.manifest_id,
-                                result_hash=ev.result_hash)
+                                result_hash=ev.result_hash, screened=ev.screened,
+                                screened_inputs=ev.screened_inputs, screened_why=ev.screened_why)
         self.audit.own(msg)
         return [Publish(msg), *self._on_AggregateAnnounce(msg, now)]
 
@@ -931,7 +971,9 @@ class TaskMachine:
         if self.head is not None and best.round <= self.head.round \
                 and self._holders(best, now) < self._holders(self.head, now) + 1:
             # Claimed work is the claimant's word: it never pulls a node back from weights that more live
-            # peers hold (to a group banned elsewhere for forging, whose own history claims more work).
+            # nodes hold, this one counted (to a group banned elsewhere for forging, whose own history claims
+            # more work; or to a node's own outvoted weights, announced after it lost a vote the others
+            # closed before its weights reached them, when only one other node is heard yet after a heal).
             return None
         return best, tuple(Head.of(w) for w in self.latest.values()
                            if self._usable(w, now) and Head.of(w).same_weights(best))
@@ -1194,6 +1236,7 @@ class TaskMachine:
         eligible = set(rec.members)
         banned = self.audit.banned
         chosen, complete, unknown = [], True, False
+        charged: list[ScreenedOut] = []
         checks: list[Effect] = []
         unverified: list[int] = []
         """Slices whose chosen aggregate waits for a recomputation: at the deadline they count as missing."""
@@ -1210,15 +1253,15 @@ class TaskMachine:
                 cands = [m for m in got.values() if m.key() not in rec.unverifiable] or list(got.values())
                 cached = rec.ranked[s] = (
                     key, choose_aggregate(cands, heard),
-                    any(p not in heard for m in got.values() for p in m.included),
+                    any(p not in heard for m in got.values() for p in m.accounted()),
                     # Banned aggregators' results count here: a slice that had a forgery is checked to the end.
                     len({m.result_hash for m in rec.aggregates[s].values()}) > 1)
             best = cached[1]
             unknown = unknown or cached[2]
-            # Aggregation is deterministic: one aggregate over every update we hold cannot be bettered,
-            # so after a heartbeat window (for updates of peers we did not count, which other
-            # aggregators list) the slice need not wait for the other aggregators.
-            settled = collected <= set(best.included) and now >= rec.collected_at + self.quiet_after_s
+            # Aggregation and the screen are deterministic: one aggregate that decided on every update we hold
+            # cannot be bettered, so after a heartbeat window (for updates of peers we did not count, which
+            # other aggregators list) the slice need not wait for the other aggregators.
+            settled = collected <= best.accounted() and now >= rec.collected_at + self.quiet_after_s
             waiting = not settled and any(a not in got and self._owes(a, rec, now) for a in expected)
             # An aggregate is applied as it is when we made it or another aggregator vouches for it (the same
             # inputs, the same result). Aggregators that disagree, an aggregate nobody else will confirm, or a
@@ -1230,7 +1273,7 @@ class TaskMachine:
                 inputs = self._inputs_of(rec, best)
                 complete = False
                 if inputs is not None:
-                    checks += self.audit.ask(best, inputs)
+                    checks += self.audit.ask(best, *inputs)
                 elif rec.unknown_since is not None and now >= rec.unknown_since + self.quiet_after_s:
                     # It lists a producer never heard (or banned), so it cannot be recomputed: the slice takes
                     # the best aggregate that can be (or none, and the round fails), on the next pass.
@@ -1241,6 +1284,8 @@ class TaskMachine:
                 unverified.append(s)
                 continue
             chosen.append(best)
+            if best.screened and (confirmed or self.audit.verdict(best.key()) == (True, best.result_hash)):
+                charged.append(ScreenedOut(rec.index, s, tuple(zip(best.screened, best.screened_why))))
             if waiting:
                 complete = False
         if rec.redo:
@@ -1265,6 +1310,7 @@ class TaskMachine:
                 f"{missing} slice(s) got no aggregate in time"
             return [*overdue, Apply(rec.index, (), (), why)]
         rec.chosen = tuple(chosen)
+        overdue += charged
         same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
                      for c in chosen)
         best = self._best_known(now) if not rec.producing else None

@@ -5,7 +5,8 @@ Each run starts N node processes on loopback (scripts/local_swarm.py), of which 
 tests/integration/hostile_node.py with one attack, publishes a small tiny-lm task and waits until every
 honest node has finished it. Attacks (see hostile_node.py): forge (an aggregator announcing -10x its
 inputs' result), zeros (a free-rider), sign_flip (-10x its update), gaussian (its update plus noise of
-10x its rms), stale (its first update replayed every round). Per run, read from the honest nodes:
+10x its rms), stale (its first update replayed every round), overclaim (10x the samples it trained on
+claimed, for 10x the weight in the mean). Per run, read from the honest nodes:
 
     loss_vs_clean_pct         final held-out loss against the clean run of the same setup (%)
     malicious_excluded_share  the attackers' update slices that did not go into the agreed weights, from
@@ -46,7 +47,7 @@ from protocol.receipts import latest  # noqa: E402
 from scripts.local_swarm import Swarm  # noqa: E402
 from scripts.swarm_task import TaskRun  # noqa: E402
 
-ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale")
+ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim")
 ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_DEAD_AFTER_S": "5",
        "SHOAL_HARDWARE_BENCHMARK": "false"}
 CORPUS_BYTES = 256 * 1024

@@ -35,10 +35,11 @@ what arrived. Members gather for one round deadline: a producer that announced a
 or stalls must cost the slice its contribution, not make the aggregate miss that deadline everywhere."""
 KEEP_STATES = 2
 """States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
-SCREENED = {"empty": "next to nothing (zeros): charged empty_update",
+SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out, neither charged)",
-            "opposed": "it points against the others' median: charged opposed_update"}
+            "opposed": "it points against the others' median"}
 CHARGED = {"empty": "empty_update", "opposed": "opposed_update"}
+"""What a producer is charged for a slice the screen left out of an applied aggregate (on every node alike)."""
 STATE_RETENTION_DEADLINES = 2.0
 """A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
 deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
@@ -210,11 +211,10 @@ class Exchange:
             if await trio.to_thread.run_sync(self._intact, sources[producer]):
                 self.penalize(producer, "corrupt_shard")
         for producer, why in screened.items():
+            # Charged once the aggregate is applied, by every node alike (the runner's ScreenedOut), not here.
             log.warning("task %s round %d: slice %d from %s left out: %s", self.tid[:12], job.round, job.slice,
                         producer, SCREENED[why])
             self.screened[why] += 1
-            if why in CHARGED:
-                self.penalize(producer, CHARGED[why])
         included = tuple(sorted(p for p in got if p not in bad and p not in screened))
         if data is None or not included:
             return None
@@ -227,15 +227,20 @@ class Exchange:
         m = await self._publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")
         self._aggregates.setdefault(job.round, set()).add(manifest_id(m))
         by_producer = {u.producer: u for u in job.updates}
+        left_out = sorted(screened)
         return Aggregated(round=job.round, slice=job.slice, included=included,
                           inputs=tuple(by_producer[p].manifest_ids[job.slice] for p in included),
-                          manifest_id=_manifest_hex(m), result_hash=payload_hash(m, data))
+                          manifest_id=_manifest_hex(m), result_hash=payload_hash(m, data),
+                          screened=tuple(left_out),
+                          screened_inputs=tuple(by_producer[p].manifest_ids[job.slice] for p in left_out),
+                          screened_why=tuple(screened[p] for p in left_out))
 
     async def verify(self, job: Verify) -> Verified:
         """Recompute an aggregate from exactly the slices it lists (fetched from their producers or any
         holder) and hash it as its aggregator would have. UNDECODABLE when a listed slice is no slice of
-        this round by its producer (a proof against the aggregate); None when one could not be fetched,
-        or the rule weighs by samples and a listed update was never heard (nothing is decided)."""
+        this round by its producer, or the screen over the included and screened slices leaves out others
+        than the aggregate says (a proof against the aggregate); None when one could not be fetched, or the
+        rule weighs by samples and a listed update was never heard (nothing is decided)."""
         numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
         if self.spec.aggregation.rule == "mean" and any(i.samples is None for i in job.inputs):
             return Verified(key=job.key, result_hash=None)
@@ -262,12 +267,23 @@ class Exchange:
                 missing.append(item.producer)
 
         async with trio.open_nursery() as nursery:
-            for item in job.inputs:
+            for item in (*job.inputs, *(i for i, _ in job.screened)):
                 nursery.start_soon(one, item)
         if undecodable:
             return Verified(key=job.key, result_hash=UNDECODABLE)
         if missing:
             return Verified(key=job.key, result_hash=None)
+        if job.screened:
+            claimed = {i.producer: why for i, why in job.screened}
+            try:
+                out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.bits)
+            except IntegrityError:
+                return Verified(key=job.key, result_hash=UNDECODABLE)
+            if out.bad or out.screened != claimed:
+                log.info("task %s round %d: the screen over slice %d leaves out %s, not %s as its aggregate says",
+                         self.tid[:12], job.round, job.slice, out.screened or "nothing", claimed)
+                return Verified(key=job.key, result_hash=UNDECODABLE)
+            got = {p: got[p] for p in got if p not in claimed}
         try:
             # A listed slice that is left out (it does not decode, or the screen drops it) is one no honest
             # aggregator lists.

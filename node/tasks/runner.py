@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from node.tasks import compute, history
-from node.tasks.exchange import Exchange
+from node.tasks.exchange import CHARGED, Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
@@ -34,9 +34,9 @@ from protocol.rendezvous import assign_shards
 from protocol.round import Head
 from protocol.task import (TASK_MESSAGES, AggregateAnnounce, AggregateProof, DatasetOffer, TaskSpec, WeightsAnnounce,
                            task_topic)
-from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, MakeInitial, Overdue,
-                                   PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine, Train, Trained,
-                                   WorkFailed)
+from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, Impossible, MakeInitial,
+                                   Overdue, PeerGone, Publish, RoundClosed, ScreenedOut, Stage, Synced, SyncFailed,
+                                   TaskMachine, Train, Trained, WorkFailed)
 
 log = logging.getLogger("shoal.tasks")
 
@@ -84,6 +84,8 @@ class TaskRunner:
         self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if a.get("eval_loss") is not None]
         self.dissents: list[dict] = []
         self.forgeries: list[dict] = []
+        self.screened_applied: Counter[str] = Counter()
+        """Slices the screen left out of the aggregates this node applied, by reason: the same on every node."""
         """Aggregates this node found or confirmed forged, their aggregators banned from the task."""
         self._sealed_aggregates: OrderedDict[tuple[int, int, str], bytes] = OrderedDict()
         self.latest_weights: bytes = b""
@@ -133,7 +135,7 @@ class TaskRunner:
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
             "verify_seconds": round(self.verify_s, 2), "verifications": self.verifications,
             "receipts": self.ledger.count, "receipt_errors": self.ledger.errors,
-            "screened": dict(self.exchange.screened),
+            "screened": dict(self.exchange.screened), "screened_applied": dict(self.screened_applied),
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
             "peers": self._peer_rows(m),
@@ -359,6 +361,15 @@ class TaskRunner:
                             e.peer_id, e.weights_hash[:16])
                 self.dissents = (self.dissents + [{"round": e.round, "peer_id": e.peer_id,
                                                    "weights_hash": e.weights_hash}])[-MAX_DISSENTS:]
+            elif isinstance(e, Impossible):
+                log.warning("task %s round %d: %s %s; it is banned from the task", self.tid[:12], e.round,
+                            e.peer_id, e.reason)
+                self.node.membership.penalize(e.peer_id, "impossible_update")
+            elif isinstance(e, ScreenedOut):
+                for producer, why in e.producers:
+                    self.screened_applied[why] += 1
+                    if why in CHARGED:
+                        self.node.membership.penalize(producer, CHARGED[why])
             elif isinstance(e, Overdue):
                 log.warning("task %s round %d: %s ran to its deadline waiting for %s", self.tid[:12], e.round,
                             e.phase, ", ".join(p[-8:] for p in e.peers))

@@ -8,9 +8,11 @@ the protocol:
     sign_flip  it trains honestly and publishes -10x its update
     gaussian   it trains honestly and publishes its update plus Gaussian noise of 10x the update's rms
     stale      it publishes its first round's update again in every later round
+    overclaim  it trains honestly and claims 10x the samples it trained on (more weight in the mean)
 
 Only the trust tests and scripts/bench_byzantine.py start it; nothing in Shoal imports it."""
 
+import dataclasses
 import os
 import re
 import sys
@@ -22,8 +24,9 @@ from node.tasks import compute
 from node.tasks.exchange import Exchange
 from node.train.compress import encode_blocks, encode_int8
 from protocol.audit import Audit
+from protocol import task_machine
 
-ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale")
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim")
 ATTACK = os.environ.get("HOSTILE_ATTACK", "")
 if ATTACK not in ATTACKS:
     sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
@@ -52,7 +55,7 @@ def _update(self, data, slice_index: int):
 
 async def _hostile_publish(self, data, label):
     update, aggregate = _UPDATE.search(label), _AGGREGATE.search(label)
-    if update and ATTACK != "forge":
+    if update and ATTACK not in ("forge", "overclaim"):
         data = _update(self, data, int(update.group(1)))
     elif aggregate and ATTACK == "forge":
         numel = self._slice_numel(int(aggregate.group(1)))
@@ -61,6 +64,10 @@ async def _hostile_publish(self, data, label):
 
 
 Exchange._publish_payload = _hostile_publish
+if ATTACK == "overclaim":
+    _on_trained = task_machine.TaskMachine._on_Trained
+    task_machine._HANDLERS[task_machine.Trained] = lambda self, ev, now: _on_trained(
+        self, dataclasses.replace(ev, samples=10 * ev.samples), now)
 if ATTACK == "forge":
     Audit.judge = lambda self, aggregate, accuser=None: []  # it never bans anyone, least of all the honest
 

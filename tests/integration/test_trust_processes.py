@@ -91,10 +91,14 @@ def screened_out_and_never_credited(honest, other, run, reason: str) -> list[flo
     # choice: some may never have to.
     assert sum(task["screened"].get(reason, 0) for task in tasks) >= 1, [task["screened"] for task in tasks]
     assert all(set(task["screened"]) <= {reason} for task in tasks), [task["screened"] for task in tasks]
+    # Charged alike: every honest node applied aggregates that say so, charged it from them, and banned it.
+    assert all(task["screened_applied"].get(reason, 0) >= 1 for task in tasks), [t["screened_applied"] for t in tasks]
+    assert all(set(task["screened_applied"]) == {reason} for task in tasks), [t["screened_applied"] for t in tasks]
+    assert all(other.peer_id in node.status["banned_peers"] for node in honest)
     credited = {r.producer for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs}
     assert credited == {node.peer_id for node in honest}, credited
     print(json.dumps({"screened": [task["screened"] for task in tasks],
-                      "banned": [other.peer_id in node.status["banned_peers"] for node in honest],
+                      "screened_applied": [task["screened_applied"] for task in tasks],
                       "eval_losses": tasks[0]["eval_losses"]}))
     rounds = {}
     for task in tasks:

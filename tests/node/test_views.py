@@ -49,3 +49,12 @@ def test_task_show_counts_the_receipts_sealed_and_says_when_some_could_not_be_wr
             "members": [A], "dropped": {}}
     assert "12 sealed (`shoal ledger abababababab` lists them)" in shown({**base, "receipts": 12})
     assert "2 round(s) not written (see the log)" in shown({**base, "receipts": 12, "receipt_errors": 2})
+
+
+def test_task_show_says_what_was_screened_out_of_the_applied_aggregates_and_of_its_own():
+    base = {"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "joined", "round": 3, "rounds": 10,
+            "members": [A], "dropped": {}}
+    text = shown({**base, "screened_applied": {"opposed": 6}, "screened": {"opposed": 2}})
+    assert "opposed: 6 (slices left out of the applied aggregates, charged alike on every node)" in text
+    assert "opposed: 2 left out by this node's aggregations" in text
+    assert "screened out" not in shown(base)

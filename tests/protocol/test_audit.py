@@ -63,3 +63,33 @@ def test_a_verdict_bans_the_aggregate_it_contradicts_and_charges_a_wrong_accuser
     assert audit.judge(other) == [] and audit.banned == {"liar"}
     audit.forget_before(4)
     assert not audit.verdicts and audit.banned == {"liar"}
+
+
+def test_an_aggregate_that_screened_nobody_encodes_as_before_the_screen_claims_existed():
+    import msgpack
+    a = aggregate()
+    assert len(msgpack.unpackb(encode(a))) == 2 + 8  # version, tag, the eight fields it always had
+    screened = AggregateAnnounce(task_id=TASK, round=3, slice=1, aggregator=AGGREGATOR.peer_id, included=("p", "q"),
+                                 inputs=(H2, H3), manifest_id=H1, result_hash=H1, screened=("r", "z"),
+                                 screened_inputs=(H3, H2), screened_why=("opposed", "empty"))
+    assert decode(encode(screened)) == screened and screened.accounted() == {"p", "q", "r", "z"}
+    assert screened.key() != a.key()  # a screen claim is part of what the result is a function of
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"screened": ("z", "r"), "screened_inputs": (H2, H3), "screened_why": ("empty", "empty")}, "sorted"),
+    ({"screened": ("p",), "screened_inputs": (H2,), "screened_why": ("empty",)}, "none of them included"),
+    ({"screened": ("z",), "screened_inputs": (), "screened_why": ("empty",)}, "one hex manifest id"),
+    ({"screened": ("z",), "screened_inputs": (H2,), "screened_why": ("lazy",)}, "screened_why"),
+])
+def test_a_screen_claim_that_does_not_hold_together_is_refused(fields, message):
+    import msgpack
+
+    from protocol.errors import RemoteProtocolError
+    with pytest.raises(ValueError, match=message):
+        AggregateAnnounce(task_id=TASK, round=3, slice=1, aggregator=AGGREGATOR.peer_id, included=("p", "q"),
+                          inputs=(H2, H3), manifest_id=H1, result_hash=H1, **fields)
+    wire = msgpack.unpackb(encode(aggregate())) + [list(fields["screened"]), list(fields["screened_inputs"]),
+                                                     list(fields["screened_why"])]
+    with pytest.raises(RemoteProtocolError, match=message):  # as a peer would send it
+        decode(msgpack.packb(wire))

@@ -13,13 +13,13 @@ import itertools
 import random
 from collections import deque
 
-from protocol.audit import Accused, Audit, FalseAccusation, Forged, Verified, Verify
+from protocol.audit import UNDECODABLE, Accused, Audit, FalseAccusation, Forged, Verified, Verify
 from protocol.heard import HeardLog
 from protocol.round import Head
 from protocol.task import TaskJoin, WeightsAnnounce
 from protocol.task_machine import (Aggregate, Aggregated, Applied, Apply, Dissent, FetchState, Finished,
-                                   MakeInitial, PeerGone, Publish, RoundClosed, Stage, Synced, SyncFailed, TaskMachine,
-                                   Train, Trained)
+                                   MakeInitial, PeerGone, Publish, RoundClosed, ScreenedOut, Stage, Synced, SyncFailed,
+                                   TaskMachine, Train, Trained)
 
 TASK = "ab" * 32
 DEADLINE_S = 30.0
@@ -28,6 +28,7 @@ HEARTBEAT_S = 1.0
 TRAIN_S = 2.0
 TRAIN_SHARE = 0.5
 """What every simulated node reports as its training share with its weights."""
+MAX_SAMPLES = 1000
 ANNOUNCE_S = 4.0
 """Each node re-gossips its latest weights this often, as the runner does, so restarted nodes hear them."""
 
@@ -74,6 +75,13 @@ class Swarm:
         self.forge: set[str] = set(forge)
         """Aggregators whose aggregates do not match their inputs (a valid hash and signature over a wrong result,
         each its own lie), and which never check anyone's: their machines judge nothing."""
+        self.screen: dict[str, str] = {}
+        """Producers whose every slice the screen leaves out, and why (a free-rider's zeros, a sign flip)."""
+        self.overclaim: set[str] = set()
+        """Producers whose updates claim more samples than a round's inner steps draw (max_samples)."""
+        self.frame: set[str] = set()
+        """Aggregators that claim the screen left out an honest producer's slice (one the screen keeps)."""
+        self.charged: list[tuple[str, ScreenedOut]] = []
         self.spot_check, self.seed = spot_check, seed
         self.forged: list[tuple[str, Forged]] = []
         self.false_accusations: list[tuple[str, FalseAccusation]] = []
@@ -98,7 +106,7 @@ class Swarm:
     def add(self, name: str, saved: Head | None = None) -> None:
         m = TaskMachine(task_id=TASK, self_id=name, rounds=self.rounds, num_slices=self.slices,
                         aggregators_per_slice=self.k, round_deadline_s=DEADLINE_S, quiet_after_s=QUIET_S,
-                        listen_s=self.listen_s, min_members=self.min_members, max_members=100_000, max_samples=1000,
+                        listen_s=self.listen_s, min_members=self.min_members, max_members=100_000, max_samples=MAX_SAMPLES,
                         spot_check=self.spot_check, rng=random.Random(f"{self.seed}/{name}"))
         if name in self.forge:
             m.audit = BlindAudit()
@@ -178,19 +186,36 @@ class Swarm:
             elif isinstance(e, Train):
                 ids = tuple(h(name, e.round, s, e.base_hash) for s in range(self.slices))
                 heapq.heappush(self.later, (self.now + TRAIN_S, next(self._seq), name,
-                                            Trained(round=e.round, samples=10, manifest_ids=ids, losses=(1.0,))))
+                                            Trained(round=e.round, samples=MAX_SAMPLES + 1 if name in self.overclaim
+                                                    else 10, manifest_ids=ids, losses=(1.0,))))
             elif isinstance(e, Aggregate) and name not in self.mute:
-                included = tuple(u.producer for u in e.updates)
-                result = truth(e.round, e.slice, e.updates)
+                left = {u.producer: self.screen[u.producer] for u in e.updates if u.producer in self.screen}
+                if name in self.frame:
+                    victim = next((u.producer for u in e.updates if u.producer not in left and u.producer != name), None)
+                    if victim is not None:
+                        left[victim] = "opposed"
+                kept = [u for u in e.updates if u.producer not in left]
+                if not kept:
+                    continue  # every slice screened out: no aggregate, as on a node
+                out = sorted((u for u in e.updates if u.producer in left), key=lambda u: u.producer)
+                result = truth(e.round, e.slice, kept)
                 if name in self.forge:
                     result = h("forged", name, result)
-                self.local(name, Aggregated(round=e.round, slice=e.slice, included=included,
-                                            inputs=tuple(u.manifest_ids[e.slice] for u in e.updates),
-                                            manifest_id=result, result_hash=result))
+                self.local(name, Aggregated(round=e.round, slice=e.slice, included=tuple(u.producer for u in kept),
+                                            inputs=tuple(u.manifest_ids[e.slice] for u in kept),
+                                            manifest_id=result, result_hash=result,
+                                            screened=tuple(u.producer for u in out),
+                                            screened_inputs=tuple(u.manifest_ids[e.slice] for u in out),
+                                            screened_why=tuple(left[u.producer] for u in out)))
             elif isinstance(e, Verify):
                 self.verifications += 1
-                result = h("agg", e.round, e.slice, tuple((i.producer, i.manifest_id) for i in e.inputs))
+                claimed = {i.producer: why for i, why in e.screened}
+                bears_out = {p: self.screen[p] for p in (*(i.producer for i in e.inputs), *claimed) if p in self.screen}
+                result = h("agg", e.round, e.slice, tuple((i.producer, i.manifest_id) for i in e.inputs)) \
+                    if claimed == bears_out else UNDECODABLE
                 self.local(name, Verified(key=e.key, result_hash=result))
+            elif isinstance(e, ScreenedOut):
+                self.charged.append((name, e))
             elif isinstance(e, Forged):
                 self.forged.append((name, e))
                 if e.prove:

@@ -1,5 +1,7 @@
-"""An aggregator leaves zeros and copies out of what it lists, and a recomputation that finds one listed
-calls the aggregate forged: no honest aggregator lists a slice the screen drops."""
+"""An aggregator leaves zeros and copies out of what it lists and says which it left out and why; a
+recomputation that finds one listed, or a screen claim the slices do not bear out, calls the aggregate
+forged: no honest aggregator makes either. Nobody is charged here: every node charges the screened producers
+of the aggregates it applies (the task machine's ScreenedOut)."""
 
 from __future__ import annotations
 
@@ -50,25 +52,39 @@ def mid(producer: str) -> str:
     return hashlib.sha256(producer.encode()).hexdigest()
 
 
-async def test_zeros_and_a_copy_are_left_out_and_only_the_zeros_are_charged(tmp_path, monkeypatch):
+async def recomputed(exchange, *producers, screened: dict[str, str] | None = None) -> str | None:
+    screened = screened or {}
+    key = (4, 0, producers, tuple(mid(p) for p in producers), tuple(sorted(screened)))
+    job = Verify(4, 0, tuple(Input(p, mid(p), 8) for p in producers), key,
+                 tuple((Input(p, mid(p), None), why) for p, why in sorted(screened.items())))
+    return (await exchange.verify(job)).result_hash
+
+
+async def test_zeros_and_a_copy_are_left_out_announced_and_checkable(tmp_path, monkeypatch):
     values = {mid(p): own_values(p, NUMEL, 0.5) for p in ("a", "b", "c", "d")}
     values[mid("zeros")] = torch.zeros(NUMEL)
     values[mid("copier")] = values[mid("c")] + 0.01 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
     exchange, charged = wired(tmp_path, monkeypatch, values)
     made = await exchange.aggregate(Aggregate(4, 0, updates("a", "b", "c", "d", "zeros", "copier")))
     assert made.included == ("a", "b", "d") and made.inputs == (mid("a"), mid("b"), mid("d"))
-    assert charged == [("zeros", "empty_update")] and dict(exchange.screened) == {"empty": 1, "duplicate": 2}
+    assert made.screened == ("c", "copier", "zeros") and made.screened_why == ("duplicate", "duplicate", "empty")
+    assert made.screened_inputs == (mid("c"), mid("copier"), mid("zeros"))
+    assert charged == [] and dict(exchange.screened) == {"empty": 1, "duplicate": 2}
 
-    async def recomputed(*producers):
-        key = (4, 0, producers, tuple(mid(p) for p in producers))
-        return (await exchange.verify(Verify(4, 0, tuple(Input(p, mid(p), 8) for p in producers), key))).result_hash
-
-    assert await recomputed("a", "b", "d") == made.result_hash
+    claim = dict(zip(made.screened, made.screened_why))
+    assert await recomputed(exchange, "a", "b", "d", screened=claim) == made.result_hash
+    # Left out without a word, they make the same result: an aggregate that decided on fewer producers.
+    assert await recomputed(exchange, "a", "b", "d") == made.result_hash
+    # A screen claim the slices do not bear out is a proof: an honest producer called a copy or empty,
+    # a copy called empty, or a screened slice left unmentioned beside the one it copies.
+    assert await recomputed(exchange, "a", "b", screened={**claim, "d": "opposed"}) == UNDECODABLE
+    assert await recomputed(exchange, "a", "b", "d", screened={**claim, "zeros": "opposed"}) == UNDECODABLE
+    assert await recomputed(exchange, "a", "b", "d", screened={"c": "duplicate", "zeros": "empty"}) == UNDECODABLE
     # An aggregator that lists the zeros, or both copies, made an aggregate no honest one makes: a proof.
-    assert await recomputed("a", "b", "d", "zeros") == UNDECODABLE
-    assert await recomputed("a", "b", "c", "copier", "d") == UNDECODABLE
+    assert await recomputed(exchange, "a", "b", "d", "zeros") == UNDECODABLE
+    assert await recomputed(exchange, "a", "b", "c", "copier", "d") == UNDECODABLE
     # A copy whose original it did not list is no copy within what it lists: its result stands on its own.
-    assert await recomputed("a", "b", "copier", "d") not in (UNDECODABLE, None, made.result_hash)
+    assert await recomputed(exchange, "a", "b", "copier", "d") not in (UNDECODABLE, None, made.result_hash)
 
 
 async def test_a_slice_whose_every_update_is_screened_out_has_no_aggregate_and_no_one_is_called_corrupt(
@@ -80,13 +96,16 @@ async def test_a_slice_whose_every_update_is_screened_out_has_no_aggregate_and_n
     assert charged == []
 
 
-async def test_a_sign_flipped_update_is_left_out_and_charged(tmp_path, monkeypatch):
+async def test_a_sign_flipped_update_is_left_out_and_said_so(tmp_path, monkeypatch):
     values = {mid(p): own_values(p, NUMEL, 0.5) for p in ("a", "b", "c")}
     values[mid("flip")] = values[mid("a")] * -10.0
     exchange, charged = wired(tmp_path, monkeypatch, values)
     made = await exchange.aggregate(Aggregate(4, 0, updates("a", "b", "c", "flip")))
-    assert made.included == ("a", "b", "c") and charged == [("flip", "opposed_update")]
-    assert dict(exchange.screened) == {"opposed": 1}
+    assert made.included == ("a", "b", "c") and (made.screened, made.screened_why) == (("flip",), ("opposed",))
+    assert dict(exchange.screened) == {"opposed": 1} and charged == []
+    assert await recomputed(exchange, "a", "b", "c", screened={"flip": "opposed"}) == made.result_hash
+    # An aggregator that calls an honest producer opposed to drop it (and have it charged) is caught.
+    assert await recomputed(exchange, "a", "b", "flip", screened={"c": "opposed"}) == UNDECODABLE
 
 
 async def test_an_aggregator_does_not_wait_for_a_producer_it_banned(tmp_path, monkeypatch, autojump_clock):

@@ -139,3 +139,20 @@ def test_a_task_listing_its_trainers_ignores_everyone_else_whatever_they_claim()
     assert not [e for n, e in sim.events if n in "abc" and isinstance(e, FetchState) and e.head.peer_id == "x"]
     assert all(sim.machines[n].dropped["not_listed"] > 0 for n in "abc")
     assert not sim.forged, "x's aggregates were never even considered"
+
+
+def test_a_producer_that_overclaims_its_samples_is_banned_everywhere_and_holds_no_round():
+    from protocol.task_machine import Impossible
+    sim = Swarm(["a", "b", "c", "x"], rounds=5, slices=2, k=2, min_members=3)
+    sim.overclaim.add("x")
+    honest = ["a", "b", "c"]
+    took = sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
+    assert took < 5 * 10, took  # no round waited out its 30 s deadline for the claimant
+    assert not [e for n, e in sim.events if n in honest and isinstance(e, Overdue)]
+    refused = [(n, e) for n, e in sim.events if isinstance(e, Impossible)]
+    assert sorted(n for n, _ in refused) == honest, refused  # once per node: banned from then on
+    assert all(e.peer_id == "x" and "claimed 1001 samples" in e.reason for _, e in refused)
+    assert all(sim.machines[n].audit.banned == {"x"} for n in honest)
+    assert not [a for n, e in sim.events if n in honest and isinstance(e, Apply) for a in e.chosen
+                if "x" in a.included]
+    assert len({sim.history[n][4] for n in honest}) == 1

@@ -1,0 +1,60 @@
+"""Task machines with producers the screen leaves out: an aggregate says whom it screened and why, every
+node charges them alike from the aggregates it applies, nobody waits for an aggregator once an aggregate has
+decided on every update it holds, and a screen claim the slices do not bear out is a proven forgery."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.task_machine import Apply, Overdue, ScreenedOut, Stage
+from tests.tasks.swarm_sim import Swarm
+
+
+def _honest(sim, bad):
+    return [n for n in sim.alive() if n not in bad]
+
+
+def _charges(sim, name) -> list[tuple[int, int, tuple]]:
+    return sorted((e.round, e.slice, e.producers) for n, e in sim.charged if n == name)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_screened_producer_that_never_aggregates_is_charged_alike_everywhere_and_stalls_no_round(seed):
+    names = ["a", "b", "c", "d"]
+    rider = names[seed]
+    sim = Swarm(names, rounds=8, slices=2, k=2, min_members=3, seed=seed)
+    sim.screen[rider] = "empty"
+    sim.mute.add(rider)  # its aggregates never come: only a settled slice keeps the others from waiting for them
+    honest = _honest(sim, {rider})
+    took = sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
+    assert not [e for n, e in sim.events if n in honest and isinstance(e, Overdue)], "someone waited for the rider"
+    assert took < 8 * 10, took  # 8 rounds of a few simulated seconds each, never a 30 s deadline
+    # The rider was an expected aggregator of some slice, and the slice was still checked before it counted.
+    assert sim.verifications > 0
+    charges = [_charges(sim, n) for n in honest]
+    assert charges[0] and all(c == charges[0] for c in charges), charges
+    assert {p for _, _, ps in charges[0] for p in ps} == {(rider, "empty")}
+    assert {r for r, _, _ in charges[0]} == set(range(8)) and len(charges[0]) == 8 * 2
+    assert all(rider not in a.included for n, e in sim.events if n in honest and isinstance(e, Apply) for a in e.chosen)
+    assert len({sim.history[n][7] for n in honest}) == 1
+
+
+def test_an_aggregator_that_calls_an_honest_producer_screened_is_proven_and_nobody_is_charged():
+    names = ["a", "b", "c", "d", "e"]
+    framer = "e"
+    sim = Swarm(names, rounds=8, slices=2, k=2, min_members=3)
+    sim.frame.add(framer)
+    honest = _honest(sim, {framer})
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
+    applied = [a for n, e in sim.events if n in honest and isinstance(e, Apply) for a in e.chosen]
+    assert applied and not [a for a in applied if a.screened], "a false screen claim was applied"
+    assert not [c for c in sim.charged if c[0] in honest], sim.charged
+    for n in honest:
+        assert sim.machines[n].audit.banned == {framer}, (n, sim.machines[n].audit.banned)
+    assert len({sim.history[n][7] for n in honest}) == 1
+
+
+def test_screen_claims_do_not_change_what_a_clean_round_does():
+    sim = Swarm(["a", "b", "c", "d"], rounds=4, slices=2, k=2, min_members=3)
+    sim.run_until(sim.all_done, 120)
+    assert not sim.charged and sim.verifications == 0
