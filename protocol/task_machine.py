@@ -367,6 +367,9 @@ class TaskMachine:
     current: int = -1
     produce_from: int = 0
     dropped: Counter = field(default_factory=Counter)
+    contributed: set[str] = field(default_factory=set)
+    """Producers an aggregate this node applied included (in any round): only their weights votes count, so a
+    crowd of new identities that never contributed verified work cannot outvote the members who did."""
     _listen_until: float = 0.0
     _joined_zero: bool = False
     _blocked: dict[str, float] = field(default_factory=dict)
@@ -1310,6 +1313,8 @@ class TaskMachine:
                 f"{missing} slice(s) got no aggregate in time"
             return [*overdue, Apply(rec.index, (), (), why)]
         rec.chosen = tuple(chosen)
+        for a in chosen:
+            self.contributed.update(a.included)
         overdue += charged
         same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
                      for c in chosen)
@@ -1336,7 +1341,11 @@ class TaskMachine:
         self._move(rec, "voted")
         # Only the round's members vote: weights from a node that was not counted in the round (a
         # joiner that counted itself early, a node on another history) are no vote on it.
+        # A member's vote counts once an aggregate this node applied included its work (this round's or an
+        # earlier one's); a node that has applied nothing yet (a fresh joiner's first round) counts every member.
         counted = set(rec.members)
+        if self.contributed:
+            counted &= self.contributed
         voters = {p: w for p, w in voters.items() if p in counted and p not in self.audit.banned}
         winner, num_for, num_against = vote(rec.mine, voters)
         effects: list[Effect] = [Overdue(rec.index, "voting", late)] if late else []

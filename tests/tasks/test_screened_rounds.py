@@ -58,3 +58,18 @@ def test_screen_claims_do_not_change_what_a_clean_round_does():
     sim = Swarm(["a", "b", "c", "d"], rounds=4, slices=2, k=2, min_members=3)
     sim.run_until(sim.all_done, 120)
     assert not sim.charged and sim.verifications == 0
+
+
+def test_new_identities_whose_work_never_counts_cannot_outvote_the_members_who_did_it():
+    honest, sybils = ["a", "b", "c"], ["s1", "s2", "s3", "s4"]
+    sim = Swarm(honest + sybils, rounds=6, slices=2, k=2, min_members=3)
+    for s in sybils:
+        sim.screen[s] = "empty"  # they send updates (they are members) that never go into an applied aggregate
+        sim.lie.add(s)  # and all announce the same other weights, four votes against three
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
+    for n in honest:
+        assert sim.machines[n].contributed == set(honest), (n, sim.machines[n].contributed)
+    # Every round the honest nodes closed agreed with their own weights: none was pulled to the crowd's.
+    closed = [e for n, e in sim.closed if n in honest]
+    assert closed and all(e.agreed for e in closed), [e for e in closed if not e.agreed]
+    assert len({sim.history[n][5] for n in honest}) == 1
