@@ -6,9 +6,12 @@ tests/integration/hostile_node.py with one attack, publishes a small tiny-lm tas
 honest node has finished it. Attacks (see hostile_node.py): forge (an aggregator announcing -10x its
 inputs' result), zeros (a free-rider), sign_flip (-10x its update), gaussian (its update plus noise of
 10x its rms), stale (its first update replayed every round), overclaim (10x the samples it trained on
-claimed, for 10x the weight in the mean). Per run, read from the honest nodes:
+claimed, for 10x the weight in the mean). Two baselines run first: clean (every node honest) and
+honest_only (the honest nodes alone, the attackers never started). Per run, read from the honest nodes:
 
     loss_vs_clean_pct         final held-out loss against the clean run of the same setup (%)
+    loss_vs_honest_only_pct   the same against the honest nodes training alone (the attackers never
+                              started): what an attack costs beyond losing the attackers' work
     malicious_excluded_share  the attackers' update slices that did not go into the agreed weights, from
                               an honest node's receipts (None for forge: its updates are honest, its
                               aggregates are what it forges, and no agreed round applied one when the
@@ -23,6 +26,7 @@ seeds and the JSON keeps the mean, the spread and every run.
 
     python scripts/bench_byzantine.py --quick --seeds 1          # 4 nodes, 1 attacker: about 5 min here
     python scripts/bench_byzantine.py --json-out byzantine.json  # and 8 nodes with 2 attackers
+    python scripts/bench_byzantine.py --setups 8x2 --seeds 1     # only those
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def _banned_everywhere(honest, attackers) -> bool:
 
 def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, inner_steps: int,
             limit_s: float, seed: int = 0) -> dict:
-    swarm = Swarm(nodes, work, env=ENV)
+    alone = attack == "honest_only"
+    swarm = Swarm(nodes - attackers if alone else nodes, work, env=ENV)
     for node in swarm.nodes:
         # The same keys in every run of a seed: the rendezvous hash gives each node the same data shards, so
         # runs differ by their attack, not by which node trained on what.
@@ -85,7 +90,7 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         key = node.data_dir / KEY_FILE
         key.write_bytes(hashlib.sha256(f"bench-byzantine/{seed}/{node.index}".encode()).digest())
         key.chmod(0o600)
-    bad = swarm.nodes[nodes - attackers:] if attack != "clean" else []
+    bad = swarm.nodes[nodes - attackers:] if attack not in ("clean", "honest_only") else []
     for node in bad:
         node.module, node.env = "tests.integration.hostile_node", {"HOSTILE_ATTACK": attack}
     honest = [n for n in swarm.nodes if n not in bad]
@@ -170,7 +175,9 @@ def _summary(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 nodes with 1 attacker only")
+    parser.add_argument("--quick", action="store_true", help="4 nodes with 1 attacker only (--setups 4x1)")
+    parser.add_argument("--setups", default="", help="comma-separated, of 4x1 (4 nodes, 1 attacker) and 8x2; "
+                        "default both, or 4x1 with --quick")
     parser.add_argument("--attacks", default=",".join(ATTACKS[1:]), help=f"comma-separated, of {', '.join(ATTACKS[1:])}")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner-steps", type=int, default=20)
@@ -178,11 +185,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="task seeds per attack (mean and spread reported)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
-    attacks = ["clean", *(a for a in args.attacks.split(",") if a and a != "clean")]
-    unknown = [a for a in attacks if a not in ATTACKS]
+    attacks = ["clean", "honest_only", *(a for a in args.attacks.split(",") if a and a not in ("clean", "honest_only"))]
+    unknown = [a for a in attacks if a not in ATTACKS and a != "honest_only"]
     if unknown:
         parser.error(f"unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS[1:])}")
-    setups = {"4x1": (4, 1)} if args.quick else {"4x1": (4, 1), "8x2": (8, 2)}
+    known = {"4x1": (4, 1), "8x2": (8, 2)}
+    chosen = [x for x in args.setups.split(",") if x] or (["4x1"] if args.quick else list(known))
+    if any(x not in known for x in chosen):
+        parser.error(f"unknown setup in {args.setups!r}; known: {', '.join(known)}")
+    setups = {x: known[x] for x in chosen}
     t0 = time.monotonic()
     seeds = list(range(args.seeds))
     results: dict = {}
@@ -199,15 +210,16 @@ def main() -> None:
                           f"{out['malicious_excluded_share']} malicious / {out['honest_excluded_share']} honest, "
                           f"ban {out['time_to_ban_s']} s ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
                 results[label][attack] = _summary(runs)
-            clean = results[label]["clean"]["final_eval_loss"]
-            for out in results[label].values():
-                loss = out["final_eval_loss"]
-                out["loss_vs_clean_pct"] = None if loss is None or not clean else round(100 * (loss - clean) / clean, 2)
+            for base in ("clean", "honest_only"):
+                ref = results[label][base]["final_eval_loss"]
+                for out in results[label].values():
+                    loss = out["final_eval_loss"]
+                    out[f"loss_vs_{base}_pct"] = None if loss is None or not ref else round(100 * (loss - ref) / ref, 2)
     first = results[next(iter(setups))]
     shares = [o["verification_share"] for s in results.values() for o in s.values() if o["verification_share"] is not None]
     report = {
         "command": " ".join(["python", "scripts/bench_byzantine.py", *sys.argv[1:]]),
-        "attacks": {a: {k: first[a][k] for k in ("loss_vs_clean_pct", "malicious_excluded_share",
+        "attacks": {a: {k: first[a][k] for k in ("loss_vs_clean_pct", "loss_vs_honest_only_pct", "malicious_excluded_share",
                                                  "honest_excluded_share", "time_to_ban_s")} for a in attacks},
         "verification_share": max(shares) if shares else None,
         "setups": results, "rounds": args.rounds, "inner_steps": args.inner_steps, "seeds": seeds,

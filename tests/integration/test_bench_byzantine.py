@@ -18,11 +18,12 @@ def test_the_benchmark_reports_every_field_and_an_overclaimer_is_banned_everywhe
     subprocess.run([sys.executable, "scripts/bench_byzantine.py", "--quick", "--attacks", "overclaim", "--rounds", "3", "--seeds", "1",
                     "--json-out", str(out)], cwd=ROOT, check=True, timeout=400, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
-    assert set(report["attacks"]) == {"clean", "overclaim"} and report["verification_share"] is not None
+    assert set(report["attacks"]) == {"clean", "honest_only", "overclaim"} and report["verification_share"] is not None
     claim, clean = report["attacks"]["overclaim"], report["attacks"]["clean"]
     # Its first update is proof enough: every honest node bans it in round 0, and nothing of it is applied.
     assert claim["malicious_excluded_share"] == 1.0 and claim["honest_excluded_share"] == 0.0, claim
     assert clean["honest_excluded_share"] == 0.0 and clean["loss_vs_clean_pct"] == 0.0, clean
     assert claim["time_to_ban_s"] is not None and claim["time_to_ban_s"] > 0, claim
     runs = [run for attack in report["setups"]["4x1"].values() for run in attack["runs"]]
-    assert len(runs) == 2 and all(r["hashes_agree"] and r["rounds"] == 3 for r in runs), runs
+    assert report["attacks"]["honest_only"]["loss_vs_honest_only_pct"] == 0.0
+    assert len(runs) == 3 and all(r["hashes_agree"] and r["rounds"] == 3 for r in runs), runs
