@@ -18,8 +18,9 @@ PENALTIES = {
     # Proven by recomputation (protocol/audit.py): a signed aggregate that its own inputs contradict.
     "forged_aggregate": 1000.0,
     "false_accusation": 25.0,
-    # A signed update no honest node makes (protocol/task_machine.py Impossible): over-claimed samples.
-    "impossible_update": 100.0,
+    # Signed and impossible for an honest node (protocol/task_machine.py Impossible): over-claimed samples,
+    # two results for one aggregate.
+    "impossible_message": 100.0,
     # An update with nothing in it (zeros), found the same way by every aggregator (node/tasks/robust.py screen).
     "empty_update": 30.0,
     # An update pointing against the median of the slice's others (a sign flip): rarer than noise can explain.

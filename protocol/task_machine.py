@@ -273,9 +273,10 @@ class ScreenedOut:
 
 @dataclass(frozen=True, slots=True)
 class Impossible:
-    """``peer`` signed an update no honest node can make: more samples than the task's inner steps draw
-    (``inner_steps x batch_size``: a bid for more weight in the mean), or another number of slices. Every node
-    that hears it decides alike: the peer is banned from the task and owed nothing from now on."""
+    """``peer`` signed what no honest node can: an update claiming more samples than the task's inner steps
+    draw (``inner_steps x batch_size``: a bid for more weight in the mean) or another number of slices, or
+    two results for one aggregate. Every node that hears it decides alike: the peer is banned from the task
+    and owed nothing from now on."""
 
     round: int
     peer_id: str
@@ -763,14 +764,46 @@ class TaskMachine:
     def _on_AggregateAnnounce(self, msg: AggregateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.aggregator, now)
+        old = rec.aggregates.get(msg.slice, {}).get(msg.aggregator) if rec is not None else None
+        effects: list[Effect] = []
+        if old is not None and old != msg:
+            # Judged even once the slice was chosen: a second version may arrive after this node moved on.
+            effects += self._two_aggregates(rec, old, msg)
         if rec is None or rec.phase in (Phase.APPLYING, Phase.VOTING, Phase.CLOSED) \
                 or not 0 <= msg.slice < self.num_slices:
             self.dropped["late_aggregate"] += 1
-            return []
-        rec.aggregates.setdefault(msg.slice, {}).setdefault(msg.aggregator, msg)
+            return effects
+        if old is None:
+            rec.aggregates.setdefault(msg.slice, {})[msg.aggregator] = msg
         # A key we recomputed (or aggregated ourselves) judges a new aggregate at once.
-        effects = self._judged(self.audit.judge(msg))
+        effects += self._judged(self.audit.judge(msg))
         return effects + (self._advance(rec, now) if rec.index == self.current else [])
+
+    def _two_aggregates(self, rec: RoundState, old: AggregateAnnounce, new: AggregateAnnounce) -> list[Effect]:
+        """One aggregator signed two aggregates of one slice. The same inputs with two results is a lie on
+        its face (aggregation is deterministic): banned at once. Other inputs (an equivocator sending each
+        peer its own version, or a process restarted mid-round that aggregated again) keep one of the two
+        by a rule every node applies alike, so nodes that heard them in another order still rank alike."""
+        who = new.aggregator
+        if who == self.self_id:
+            if self.audit.verdict(new.key()) == (True, new.result_hash):
+                rec.aggregates[new.slice][who] = new  # ours, made now: not an old process's, heard again
+                rec.ranked.pop(new.slice, None)
+            return []
+        self.dropped["two_aggregates"] += 1
+        if old.key() == new.key() and old.result_hash != new.result_hash:
+            if who in self.audit.banned:
+                return []
+            self.audit.banned.add(who)
+            self._members_cache.clear()
+            self._best_dirty = True
+            return [Impossible(new.round, who, f"signed two results for one aggregate of slice {new.slice} "
+                                               f"({old.result_hash[:16]} and {new.result_hash[:16]})")]
+        keep = min(old, new, key=lambda m: (m.result_hash, m.manifest_id, repr(m.key())))
+        if keep is new:
+            rec.aggregates[new.slice][who] = new
+            rec.ranked.pop(new.slice, None)
+        return []
 
     def _on_Verified(self, ev: Verified, now: float) -> list[Effect]:
         waiting = self.audit.answer(ev)

@@ -6,7 +6,8 @@ tests/integration/hostile_node.py with one attack, publishes a small tiny-lm tas
 honest node has finished it. Attacks (see hostile_node.py): forge (an aggregator announcing -10x its
 inputs' result), zeros (a free-rider), sign_flip (-10x its update), gaussian (its update plus noise of
 10x its rms), stale (its first update replayed every round), overclaim (10x the samples it trained on
-claimed, for 10x the weight in the mean). Two baselines run first: clean (every node honest) and
+claimed, for 10x the weight in the mean), equivocate (each aggregate it makes announced twice, the second
+time with another result over the same inputs). Two baselines run first: clean (every node honest) and
 honest_only (the honest nodes alone, the attackers never started). Per run, read from the honest nodes:
 
     loss_vs_clean_pct         final held-out loss against the clean run of the same setup (%)
@@ -51,7 +52,7 @@ from protocol.receipts import latest  # noqa: E402
 from scripts.local_swarm import Swarm  # noqa: E402
 from scripts.swarm_task import TaskRun  # noqa: E402
 
-ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim")
+ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate")
 ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_DEAD_AFTER_S": "5",
        "SHOAL_HARDWARE_BENCHMARK": "false"}
 CORPUS_BYTES = 256 * 1024
@@ -142,7 +143,7 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         "final_eval_loss": tasks[0]["eval_losses"][-1][1] if tasks[0]["eval_losses"] else None,
         "eval_losses": [x for _, x in tasks[0]["eval_losses"]],
         "rounds": closed, "hashes_agree": all(len(v) == 1 for v in hashes.values()),
-        "malicious_excluded_share": excluded(bad) if bad and attack != "forge" else None,
+        "malicious_excluded_share": excluded(bad) if bad and attack not in ("forge", "equivocate") else None,
         "honest_excluded_share": excluded(honest),
         "time_to_ban_s": None if banned_at is None else round(banned_at, 1),
         "verification_share": round(sum(t.get("verify_seconds", 0.0) for t in tasks) / train_s, 4) if train_s else None,

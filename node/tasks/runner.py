@@ -364,7 +364,7 @@ class TaskRunner:
             elif isinstance(e, Impossible):
                 log.warning("task %s round %d: %s %s; it is banned from the task", self.tid[:12], e.round,
                             e.peer_id, e.reason)
-                self.node.membership.penalize(e.peer_id, "impossible_update")
+                self.node.membership.penalize(e.peer_id, "impossible_message")
             elif isinstance(e, ScreenedOut):
                 for producer, why in e.producers:
                     self.screened_applied[why] += 1

@@ -9,6 +9,8 @@ the protocol:
     gaussian   it trains honestly and publishes its update plus Gaussian noise of 10x the update's rms
     stale      it publishes its first round's update again in every later round
     overclaim  it trains honestly and claims 10x the samples it trained on (more weight in the mean)
+    equivocate every aggregate it makes goes out twice: as made, and with another result over the same
+               inputs (each its own lie), and it never bans anyone
 
 Only the trust tests and scripts/bench_byzantine.py start it; nothing in Shoal imports it."""
 
@@ -26,7 +28,7 @@ from node.train.compress import encode_blocks, encode_int8
 from protocol.audit import Audit
 from protocol import task_machine
 
-ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim")
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate")
 ATTACK = os.environ.get("HOSTILE_ATTACK", "")
 if ATTACK not in ATTACKS:
     sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
@@ -68,7 +70,21 @@ if ATTACK == "overclaim":
     _on_trained = task_machine.TaskMachine._on_Trained
     task_machine._HANDLERS[task_machine.Trained] = lambda self, ev, now: _on_trained(
         self, dataclasses.replace(ev, samples=10 * ev.samples), now)
-if ATTACK == "forge":
+if ATTACK == "equivocate":
+    import hashlib
+
+    from node.tasks.runner import TaskRunner
+    from protocol.task import AggregateAnnounce
+    _send = TaskRunner._publish
+
+    async def _twice(self, msg):
+        await _send(self, msg)
+        if isinstance(msg, AggregateAnnounce):
+            lie = hashlib.sha256(b"equivocated" + msg.result_hash.encode()).hexdigest()
+            await _send(self, dataclasses.replace(msg, result_hash=lie, manifest_id=lie))
+
+    TaskRunner._publish = _twice
+if ATTACK in ("forge", "equivocate"):
     Audit.judge = lambda self, aggregate, accuser=None: []  # it never bans anyone, least of all the honest
 
 if __name__ == "__main__":

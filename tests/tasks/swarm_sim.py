@@ -16,7 +16,7 @@ from collections import deque
 from protocol.audit import UNDECODABLE, Accused, Audit, FalseAccusation, Forged, Verified, Verify
 from protocol.heard import HeardLog
 from protocol.round import Head
-from protocol.task import TaskJoin, WeightsAnnounce
+from protocol.task import AggregateAnnounce, TaskJoin, WeightsAnnounce
 from protocol.task_machine import (Aggregate, Aggregated, Applied, Apply, Dissent, FetchState, Finished,
                                    MakeInitial, PeerGone, Publish, RoundClosed, ScreenedOut, Stage, Synced, SyncFailed,
                                    TaskMachine, Train, Trained)
@@ -79,6 +79,9 @@ class Swarm:
         """Producers whose every slice the screen leaves out, and why (a free-rider's zeros, a sign flip)."""
         self.overclaim: set[str] = set()
         """Producers whose updates claim more samples than a round's inner steps draw (max_samples)."""
+        self.equivocate: dict[str, str] = {}
+        """Aggregators that also sign a second version of each aggregate, sent first to half of the others and a
+        moment later to the rest: "result" (the same inputs, a forged result) or "inputs" (one producer fewer)."""
         self.frame: set[str] = set()
         """Aggregators that claim the screen left out an honest producer's slice (one the screen keeps)."""
         self.charged: list[tuple[str, ScreenedOut]] = []
@@ -201,6 +204,8 @@ class Swarm:
                 result = truth(e.round, e.slice, kept)
                 if name in self.forge:
                     result = h("forged", name, result)
+                if name in self.equivocate:
+                    self._equivocate(name, e, kept, result)
                 self.local(name, Aggregated(round=e.round, slice=e.slice, included=tuple(u.producer for u in kept),
                                             inputs=tuple(u.manifest_ids[e.slice] for u in kept),
                                             manifest_id=result, result_hash=result,
@@ -253,6 +258,20 @@ class Swarm:
         m = self.machines[name]
         if m.head is not None and m.stage is not Stage.SYNCING:
             self.saved[name] = m.head  # what the node's checkpoint holds
+
+    def _equivocate(self, name: str, e: Aggregate, kept: list, result: str) -> None:
+        how = self.equivocate[name]
+        other = kept[1:] if how == "inputs" and len(kept) > 1 else kept
+        forged = h("equivocated", name, result) if how == "result" else truth(e.round, e.slice, other)
+        msg = AggregateAnnounce(task_id=TASK, round=e.round, slice=e.slice, aggregator=name,
+                                included=tuple(u.producer for u in other),
+                                inputs=tuple(u.manifest_ids[e.slice] for u in other), manifest_id=forged,
+                                result_hash=forged)
+        peers = [n for n in self.alive() if n != name]
+        first, rest = peers[: len(peers) // 2], peers[len(peers) // 2:]
+        self.queue.append(("msg", name, msg, self.group[name], first))
+        for n in rest:
+            heapq.heappush(self.later, (self.now + 0.5, next(self._seq), n, msg))
 
     def local(self, name, event) -> None:
         self.queue.append(("local", name, event, None, None))

@@ -7,7 +7,7 @@ import pytest
 
 from protocol.audit import Accused, FalseAccusation, Forged, Input, Verified, Verify
 from protocol.task import AggregateAnnounce, UpdateAnnounce
-from protocol.task_machine import Apply, FetchState, Overdue, Publish, Stage
+from protocol.task_machine import Apply, Dissent, FetchState, Overdue, Publish, Stage
 from tests.tasks.swarm_sim import TASK, Swarm, truth
 from tests.tasks.test_task_machine import churn, final_hashes
 
@@ -156,3 +156,29 @@ def test_a_producer_that_overclaims_its_samples_is_banned_everywhere_and_holds_n
     assert not [a for n, e in sim.events if n in honest and isinstance(e, Apply) for a in e.chosen
                 if "x" in a.included]
     assert len({sim.history[n][4] for n in honest}) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_aggregator_signing_two_results_for_one_aggregate_is_banned_by_every_node_that_hears_both(seed):
+    from protocol.task_machine import Impossible
+    names = ["a", "b", "c", "d", "e"]
+    liar = names[seed]
+    sim = Swarm(names, rounds=6, slices=2, k=2, min_members=3, seed=seed)
+    sim.equivocate[liar] = "result"  # half the nodes hear the forged version first, the rest the honest one
+    honest = _honest(sim, {liar})
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
+    assert all(sim.machines[n].audit.banned == {liar} for n in honest), [sim.machines[n].audit.banned for n in honest]
+    assert all(e.peer_id == liar for n, e in sim.events if n in honest and isinstance(e, Impossible))
+    assert not [(n, a) for n, a in _applied_results(sim, honest) if a.result_hash != _truth_of(sim, n, a)]
+    assert all(len({sim.history[n].get(r) for n in honest}) == 1 for r in range(6))
+
+
+def test_two_versions_of_an_aggregate_over_other_inputs_are_ranked_alike_by_every_node():
+    names = ["a", "b", "c", "d", "e"]
+    sim = Swarm(names, rounds=6, slices=2, k=2, min_members=3)
+    sim.equivocate["e"] = "inputs"  # both versions honest computations, over different producers
+    sim.run_until(sim.all_done, 300)
+    assert not [e for n, e in sim.events if isinstance(e, Dissent)], "nodes applied different aggregates"
+    assert all(not sim.machines[n].audit.banned for n in names)  # a restarted aggregator does the same
+    assert sum(sim.machines[n].dropped["two_aggregates"] for n in names) > 0
+    assert len(final_hashes(sim)) == 1
