@@ -35,14 +35,15 @@ of a few thousand slices can overflow float32."""
 _ROW = 256
 """Values per partial sum of a norm: each summed by one thread, whatever the thread count."""
 DUPLICATE_COSINE = 0.99
-"""Two honest producers' updates were never this alike: at most 0.85 (round 0 from scratch), 0.47-0.63 from a
-warm start, 8 producers of the demo model over 6 rounds. A copy passes it with noise past 14% of its norm."""
+"""Two honest producers' slices were never this alike: at most 0.952 (16 producers of the demo model, 2 inner
+steps, from scratch), 0.77 from a warm start (scripts/screen_margins.py, docs/bench/screen-margins.json). A
+copy passes it with noise past 14% of its norm."""
 EMPTY_SHARE = 0.01
-"""An honest producer's norm was never below 0.79x the median in the same runs."""
+"""An honest producer's norm was never below 0.65x the median in the same runs."""
 OPPOSED_COSINE = 0.0
 """A slice pointing against the median of the others (below this cosine with it) is left out. An honest
-update's cosine with the median was never below 0.36 (demo model: 4, 8 and 16 producers, 2 to 12 inner
-steps, up to 20 rounds, from scratch and from a warm start); Gaussian noise of 10x an update's rms is
+slice's cosine with the median was never below 0.19 (demo model: 4, 8 and 16 producers, 1 to 12 inner
+steps, from scratch and from a warm start, scripts/screen_margins.py); Gaussian noise of 10x an update's rms is
 about 0.05, so noise is left to the norm bound and the rule."""
 MIN_OPPOSED_CHECK = 3
 """With fewer producers the median is no majority's direction."""

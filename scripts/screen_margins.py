@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""How far honest updates stay from the screen's thresholds (node/tasks/robust.py ``screen``), JSON out.
+
+Honest producers only: the demo TinyLM trained in-process as scripts/bench_robust.py trains it (rendezvous
+shards, node.train.inner, the real int8 slices), from scratch and from a warm start, for each producer count
+and inner-step count asked. Per slice and round it measures what the screen decides on:
+
+    max_pairwise_cosine   the closest two producers' slices come (the screen calls 0.99 a copy)
+    min_median_cosine     the lowest cosine of a producer's slice with the coordinate-wise median
+                          (below 0 is "opposed")
+    min_norm_ratio        the smallest norm over the median norm (at most 0.01 is "empty")
+    max_norm_ratio        the largest, for a screen of loud updates (none exists yet)
+
+and reports the extreme of each over every slice, round and run, with the screen's own count of honest
+slices it left out (which must be 0).
+
+    python scripts/screen_margins.py --quick        # 4 and 8 producers, 4 rounds: about 4 min here
+    python scripts/screen_margins.py --json-out docs/bench/screen-margins.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from node.tasks import compute, robust  # noqa: E402
+from node.train.data import derive_seed  # noqa: E402
+from node.train.diloco import OuterNesterov, flatten, pseudo_gradient, unflatten  # noqa: E402
+from node.train.inner import train_inner  # noqa: E402
+from node.train.simulate import _data, start_weights  # noqa: E402
+from protocol.rendezvous import assign_shards  # noqa: E402
+from protocol.task import AggregationSpec  # noqa: E402
+from scripts.bench_robust import Bench, _setup  # noqa: E402
+
+
+SCREEN = AggregationSpec(screen=True)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(a.double().norm()), float(b.double().norm())
+    return float(a.double() @ b.double()) / (na * nb) if na and nb else 0.0
+
+
+def margins_of_slice(values: dict[str, torch.Tensor]) -> dict:
+    peers = sorted(values)
+    norms = {p: float(values[p].double().norm()) for p in peers}
+    median_norm = sorted(norms.values())[len(norms) // 2] if len(norms) % 2 else \
+        sum(sorted(norms.values())[len(norms) // 2 - 1: len(norms) // 2 + 1]) / 2
+    center = torch.stack([values[p] for p in peers]).median(dim=0).values
+    pairs = [_cos(values[a], values[b]) for i, a in enumerate(peers) for b in peers[i + 1:]]
+    return {"max_pairwise_cosine": max(pairs, default=None),
+            "min_median_cosine": min(_cos(values[p], center) for p in peers),
+            "min_norm_ratio": min(norms.values()) / median_norm if median_norm else None,
+            "max_norm_ratio": max(norms.values()) / median_norm if median_norm else None}
+
+
+def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
+    setup = _setup(bench, seed)
+    shards, _ = _data(setup)
+    theta = start_weights(setup if warm else dataclasses.replace(setup, pretrain_steps=0))
+    state = compute.OuterState(round=0, weights=theta, outer=OuterNesterov(lr=0.7, momentum=0.9))
+    task, peers = f"screen-margins-{seed}", [f"peer-{i}" for i in range(producers)]
+    opt: dict[str, dict] = {}
+    worst = {"max_pairwise_cosine": -1.0, "min_median_cosine": 1.0, "min_norm_ratio": math.inf, "max_norm_ratio": 0.0}
+    left_out = 0
+    for r in range(bench.rounds):
+        assignment = assign_shards(task, r, peers, bench.num_shards)
+        flats, layout = {}, None
+        for p in peers:
+            result = train_inner(model_config=bench.model, base_weights=state.weights,
+                                 data=b"".join(shards[i] for i in assignment[p]), steps=bench.inner_steps,
+                                 batch_size=bench.batch_size, seed=derive_seed(task, r, p), adamw=setup.adamw,
+                                 opt_state=opt.get(p))
+            opt[p] = result.opt_state
+            flats[p], layout = flatten(pseudo_gradient(state.weights, result.weights))
+        payloads = {p: compute.split_update(unflatten(f, layout), bench.num_slices) for p, f in flats.items()}
+        numel = sum(t.numel() for t in state.weights.values())
+        aggregates = []
+        for s, (a, b) in enumerate(compute.slice_bounds(numel, bench.num_slices)):
+            # What an aggregator sees: the int8 slices decoded, not the float updates.
+            got = {p: (payloads[p][s], 1) for p in payloads}
+            decoded = {p: compute.decode_slice(payloads[p][s], b - a, 8) for p in payloads}
+            m = margins_of_slice(decoded)
+            for k in ("max_pairwise_cosine", "max_norm_ratio"):
+                if m[k] is not None:
+                    worst[k] = max(worst[k], m[k])
+            for k in ("min_median_cosine", "min_norm_ratio"):
+                if m[k] is not None:
+                    worst[k] = min(worst[k], m[k])
+            out = robust.combine(got, b - a, SCREEN)
+            left_out += len(out.screened)
+            aggregates.append(out.data)
+        state = compute.apply_aggregates(state, aggregates, state.work + producers)
+    return {**{k: round(v, 4) for k, v in worst.items()}, "honest_slices_screened_out": left_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 and 8 producers, 4 rounds, 12 inner steps")
+    parser.add_argument("--producers", default="4,8,16")
+    parser.add_argument("--inner-steps", default="2,12")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    producers = [4, 8] if args.quick else [int(x) for x in args.producers.split(",") if x]
+    steps = [12] if args.quick else [int(x) for x in args.inner_steps.split(",") if x]
+    rounds = 4 if args.quick else args.rounds
+    seeds = 1 if args.quick else args.seeds
+    if not producers or min(producers) < 2 or not steps or min(steps) < 1 or rounds < 1 or seeds < 1:
+        parser.error("producers must be 2 or more, inner steps, rounds and seeds 1 or more")
+    t0 = time.monotonic()
+    runs = []
+    for n in producers:
+        for h in steps:
+            for warm in (False, True):
+                for seed in range(seeds):
+                    bench = Bench(rounds=rounds, inner_steps=h)
+                    out = {"producers": n, "inner_steps": h, "start": "warm" if warm else "scratch", "seed": seed,
+                           **run(bench, n, seed, warm)}
+                    runs.append(out)
+                    print(f"screen_margins: {json.dumps(out)} ({time.monotonic() - t0:.0f} s)", file=sys.stderr,
+                          flush=True)
+    report = {
+        "command": " ".join(["python", "scripts/screen_margins.py", *sys.argv[1:]]),
+        "thresholds": {"duplicate_cosine": robust.DUPLICATE_COSINE, "opposed_cosine": robust.OPPOSED_COSINE,
+                       "empty_share": robust.EMPTY_SHARE},
+        "worst": {"max_pairwise_cosine": max(r["max_pairwise_cosine"] for r in runs),
+                  "min_median_cosine": min(r["min_median_cosine"] for r in runs),
+                  "min_norm_ratio": min(r["min_norm_ratio"] for r in runs),
+                  "max_norm_ratio": max(r["max_norm_ratio"] for r in runs),
+                  "honest_slices_screened_out": sum(r["honest_slices_screened_out"] for r in runs)},
+        "runs": runs, "seconds": round(time.monotonic() - t0, 1),
+    }
+    text = json.dumps(report, indent=1)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
