@@ -704,10 +704,7 @@ class TaskMachine:
             why = (f"claimed {msg.samples} samples, more than the {self.max_samples} a round's inner steps draw"
                    if msg.samples > self.max_samples else
                    f"sent {len(msg.manifest_ids)} slices where the task has {self.num_slices}")
-            self.audit.banned.add(msg.producer)
-            self._members_cache.clear()
-            self._best_dirty = True
-            return [Impossible(msg.round, msg.producer, why),
+            return [*self._ban(Impossible(msg.round, msg.producer, why)),
                     *(self._advance(rec, now) if rec.index == self.current else [])]
         if rec.base is not None and msg.base_hash != rec.base.weights_hash:
             self.dropped["wrong_base"] += 1
@@ -754,6 +751,14 @@ class TaskMachine:
         n = len(a.included)
         return tuple(out[:n]), tuple(zip(out[n:], a.screened_why))
 
+    def _ban(self, proof: Impossible) -> list[Effect]:
+        """Ban the signer of something no honest node signs from the task; like a forgery, it changes the
+        members, the votes and the heads to move to."""
+        self.audit.banned.add(proof.peer_id)
+        self._members_cache.clear()
+        self._best_dirty = True
+        return [proof]
+
     def _judged(self, effects: list[Effect]) -> list[Effect]:
         """A ban changes the members, the votes and the heads to move to."""
         if any(isinstance(e, Forged) for e in effects):
@@ -794,11 +799,8 @@ class TaskMachine:
         if old.key() == new.key() and old.result_hash != new.result_hash:
             if who in self.audit.banned:
                 return []
-            self.audit.banned.add(who)
-            self._members_cache.clear()
-            self._best_dirty = True
-            return [Impossible(new.round, who, f"signed two results for one aggregate of slice {new.slice} "
-                                               f"({old.result_hash[:16]} and {new.result_hash[:16]})")]
+            return self._ban(Impossible(new.round, who, f"signed two results for one aggregate of slice {new.slice} "
+                                                        f"({old.result_hash[:16]} and {new.result_hash[:16]})"))
         keep = min(old, new, key=lambda m: (m.result_hash, m.manifest_id, repr(m.key())))
         if keep is new:
             rec.aggregates[new.slice][who] = new

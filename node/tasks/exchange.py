@@ -38,8 +38,6 @@ KEEP_STATES = 2
 SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out, neither charged)",
             "opposed": "it points against the others' median"}
-CHARGED = {"empty": "empty_update", "opposed": "opposed_update"}
-"""What a producer is charged for a slice the screen left out of an applied aggregate (on every node alike)."""
 STATE_RETENTION_DEADLINES = 2.0
 """A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
 deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
@@ -279,20 +277,22 @@ class Exchange:
                 out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.bits)
             except IntegrityError:
                 return Verified(key=job.key, result_hash=UNDECODABLE)
-            if out.bad or out.screened != claimed:
+            if out.bad or out.screened != claimed or out.data is None:
                 log.info("task %s round %d: the screen over slice %d leaves out %s, not %s as its aggregate says",
                          self.tid[:12], job.round, job.slice, out.screened or "nothing", claimed)
                 return Verified(key=job.key, result_hash=UNDECODABLE)
-            got = {p: got[p] for p in got if p not in claimed}
-        try:
-            # A listed slice that is left out (it does not decode, or the screen drops it) is one no honest
-            # aggregator lists.
-            data, left_out = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel,
-                                                           self.spec.aggregation, self.bits)
-        except IntegrityError:
-            left_out = list(got)
-        if left_out:
-            return Verified(key=job.key, result_hash=UNDECODABLE)
+            # The screen runs until what it keeps is screened clean, so this is what the included slices alone give.
+            data = out.data
+        else:
+            try:
+                # A listed slice that is left out (it does not decode, or the screen drops it) is one no honest
+                # aggregator lists.
+                data, left_out = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel,
+                                                               self.spec.aggregation, self.bits)
+            except IntegrityError:
+                left_out = list(got)
+            if left_out:
+                return Verified(key=job.key, result_hash=UNDECODABLE)
         return Verified(key=job.key, result_hash=hashlib.sha256(
             compute.tensor_bytes(data) if hasattr(data, "data_ptr") else data).hexdigest())
 

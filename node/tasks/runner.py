@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from node.tasks import compute, history
-from node.tasks.exchange import CHARGED, Exchange
+from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
@@ -39,6 +39,10 @@ from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchStat
                                    TaskMachine, Train, Trained, WorkFailed)
 
 log = logging.getLogger("shoal.tasks")
+
+CHARGED = {"empty": "empty_update", "opposed": "opposed_update"}
+"""What a producer is charged for a slice the screen left out of an applied aggregate (on every node alike);
+a duplicate is not charged: nobody can tell the copy from the original."""
 
 MAX_TASK_MESSAGE_BYTES = 64 * 1024
 MAX_DISSENTS = 32
@@ -84,9 +88,9 @@ class TaskRunner:
         self.eval_losses = [(a["round"], a["eval_loss"]) for a in self.agreement if a.get("eval_loss") is not None]
         self.dissents: list[dict] = []
         self.forgeries: list[dict] = []
+        """Aggregates this node found or confirmed forged, their aggregators banned from the task."""
         self.screened_applied: Counter[str] = Counter()
         """Slices the screen left out of the aggregates this node applied, by reason: the same on every node."""
-        """Aggregates this node found or confirmed forged, their aggregators banned from the task."""
         self._sealed_aggregates: OrderedDict[tuple[int, int, str], bytes] = OrderedDict()
         self.latest_weights: bytes = b""
         self.spec_heard_at = -math.inf
