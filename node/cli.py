@@ -74,13 +74,15 @@ def start(
     announce_addr: Optional[List[str]] = typer.Option(None, "--announce-addr",
                                                       help="Address peers should dial, e.g. a public IP (repeatable)."),
     mdns: Optional[bool] = typer.Option(None, "--mdns/--no-mdns", help="Find peers on the local network."),
+    port_mapping: Optional[bool] = typer.Option(None, "--port-mapping/--no-port-mapping",
+                                                help="Ask the home router (NAT-PMP) to forward the listen port."),
     control_port: Optional[int] = typer.Option(None, "--control-port", help="Control API port (0: any free one)."),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--no-log-json", help="Log one JSON object per line."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Run a node until SIGINT or SIGTERM."""
     flags = {"data_dir": data_dir, "listen": listen or None, "bootstrap": bootstrap or None,
-             "announce_addrs": announce_addr or None, "mdns": mdns,
+             "announce_addrs": announce_addr or None, "mdns": mdns, "port_mapping": port_mapping,
              "control_port": control_port, "log_json": log_json, "log_level": log_level}
     env_config = os.environ.get("SHOAL_CONFIG")
     cfg = run_cli(lambda: load_config(path=config or (Path(env_config) if env_config else None), flags=flags))

@@ -57,6 +57,11 @@ class NodeConfig:
     """Learn reachability from peers' dial-backs; behind NAT, reserve relay slots and punch holes."""
     relay_service: bool = True
     """Serve as a limited circuit relay (control traffic only) once peers confirm this node is public."""
+    port_mapping: bool = False
+    """Ask the home router over NAT-PMP (RFC 6886) to forward the listen port; peers' dial-backs still decide
+    whether the node is public. Off by default: it sends UDP to the default gateway."""
+    port_mapping_gateway: str = ""
+    """The router to ask, IP or IP:PORT; empty: the default route's gateway, UDP port 5351."""
     log_json: bool = False
     log_level: str = "info"
 
@@ -84,6 +89,9 @@ class NodeConfig:
              "the gossip flood limit needs a positive rate and a burst of at least 1")
         need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",
              f"must be between {MIN_SHARD_BYTES} and {MAX_SHARD_BYTES} bytes")
+        if self.port_mapping_gateway:
+            need(netaddrs.ipv4_port_problem(self.port_mapping_gateway) is None, "port_mapping_gateway",
+                 f"{netaddrs.ipv4_port_problem(self.port_mapping_gateway)}; e.g. 192.168.1.1 or 192.168.1.1:5351")
         need(bool(self.listen), "listen", "give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4001")
         for addr in self.listen:
             problem = netaddrs.listen_problem(addr)

@@ -204,6 +204,8 @@ async def run_node(config: NodeConfig, *, services: Iterable[ServiceFactory] = (
         host_config = HostConfig(listen_addrs=list(config.listen), mdns=config.mdns,
                                  dial_timeout_s=config.dial_timeout_s, max_connections=config.max_peers * 2,
                                  nat=config.nat, relay_service=config.relay_service,
+                                 port_mapping=config.port_mapping,
+                                 port_mapping_gateway=config.port_mapping_gateway,
                                  direct_only_protocols=BULK_PROTOCOLS)
         async with host_factory(keypair, host_config) as host:
             node = Node(config=config, keypair=keypair, host=host, hardware=hardware,

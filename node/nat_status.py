@@ -28,6 +28,10 @@ async def start_nat_status(node: Node, nursery: trio.Nursery) -> None:
                    {"status": name}, int(r.status == name))
         yield "shoal_relay_addrs", "gauge", "Relays holding a reservation for this node", {}, len(r.relay_addrs)
         yield "shoal_relaying", "gauge", "1 while this node serves as a circuit relay", {}, int(r.relaying)
+        if r.port_mapping:
+            for name in ("trying", "mapped", "unavailable"):
+                yield ("shoal_port_mapping", "gauge", "1 for the state of this node's port mapping on its router",
+                       {"status": name}, int(r.port_mapping.get("status") == name))
         stats = host.statistics()
         for protocol, n in stats.relayed_bytes_by_protocol.items():
             yield ("shoal_relayed_bytes_total", "counter", "Stream bytes that crossed a circuit relay, by protocol",

@@ -74,3 +74,17 @@ def is_peer_id(text: str) -> bool:
         return False
     # multihash: <code> <length> <digest>; identity (0x00) for inline keys, sha2-256 (0x12) otherwise
     return len(raw) >= 2 and raw[0] in (0x00, 0x12) and raw[1] == len(raw) - 2
+
+
+def ipv4_port_problem(text: str) -> str | None:
+    """Why text is not "IPv4" or "IPv4:PORT"; None when it is."""
+    import ipaddress
+
+    host, sep, port = text.partition(":")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return f"{host!r} is not an IPv4 address"
+    if sep and not (port.isdigit() and 0 < int(port) < 65536):
+        return f"{port!r} is not a UDP port (1-65535)"
+    return None

@@ -45,7 +45,8 @@ def print_status(data: dict, console: Console | None = None) -> None:
         r = data["reachability"]
         table.add_row("reachability", f"{r['status']} ({r['reason']})"
                       + (f"\nrelays: {len(r['relay_addrs'])}" if r.get("relay_addrs") else "")
-                      + ("\nserving as a relay" if r.get("relaying") else ""))
+                      + ("\nserving as a relay" if r.get("relaying") else "")
+                      + (f"\nport mapping: {r['port_mapping'].get('summary')}" if r.get("port_mapping") else ""))
     table.add_row("roles", ", ".join(data.get("roles", [])))
     if data.get("hardware"):
         table.add_row("hardware", hardware_line(data["hardware"]))

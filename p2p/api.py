@@ -74,6 +74,8 @@ class Reachability:
     """Whether we serve as a circuit relay for others."""
     dial_backs_ok: int = 0
     dial_backs_failed: int = 0
+    port_mapping: dict = field(default_factory=dict)
+    """The router's port mapping for us (p2p.portmap.MappingState), empty while port mapping is off."""
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -96,6 +98,10 @@ class HostConfig:
     """With nat: serve as a limited circuit relay once peers confirm we are public."""
     direct_only_protocols: tuple[str, ...] = ()
     """Protocols (bulk data) that never run over a relayed connection, in either direction."""
+    port_mapping: bool = False
+    """With nat: ask the home router over NAT-PMP to forward the listen port (p2p.portmap)."""
+    port_mapping_gateway: str = ""
+    """The router to ask, "ip" or "ip:port"; empty: the default route's gateway on UDP 5351."""
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,8 @@ from libp2p.tools.anyio_service import background_trio_service
 from p2p import autonat
 from p2p.api import HostConfig, Reachability
 from p2p.notifee import ConnectionEvents
+from p2p.portmap import PortMapper
+from protocol import natpmp
 
 log = logging.getLogger("shoal.nat")
 
@@ -72,6 +74,8 @@ class NatService:
         self.transport = CircuitV2Transport(raw_host, self.protocol,
                                             RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT, limits=RELAY_LIMITS))
         self.dcutr = DCUtRProtocol(raw_host)
+        self.mapper: PortMapper | None = None
+        self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
 
     def reachability(self) -> Reachability:
@@ -82,7 +86,8 @@ class NatService:
             public_addrs=tuple(f"/ip4/{ip}/tcp/{port}/p2p/{me}" for ip, port in self.verdict.public_endpoints()),
             relay_addrs=tuple(self.relays.values()), relaying=self.relaying,
             dial_backs_ok=sum(1 for a in self.verdict.answers.values() if a.reachable_ports),
-            dial_backs_failed=sum(1 for a in self.verdict.answers.values() if not a.reachable_ports))
+            dial_backs_failed=sum(1 for a in self.verdict.answers.values() if not a.reachable_ports),
+            port_mapping=self.mapper.state.to_dict() if self.mapper is not None else {})
 
     def is_direct(self, peer_id: str) -> bool:
         return any(not is_relayed_conn(c) for c in peer_conns(self._host, ID.from_base58(peer_id)))
@@ -106,6 +111,7 @@ class NatService:
         async with background_trio_service(self.protocol), background_trio_service(self.dcutr), \
                 trio.open_nursery() as nursery:
             self._nursery = nursery
+            self._start_port_mapping(nursery)
             nursery.start_soon(self._check_forever)
             task_status.started(self)
 
@@ -126,8 +132,20 @@ class NatService:
     async def _serve_autonat(self, raw_stream: Any) -> None:
         await autonat.serve_dial_back(self._host, raw_stream)
 
+    def _start_port_mapping(self, nursery: trio.Nursery) -> None:
+        ports = self._listen_ports()
+        if not self._config.port_mapping or not ports:
+            return
+        gateway, _, port = self._config.port_mapping_gateway.partition(":")
+        self.mapper = PortMapper(ports[0], gateway=gateway or None, port=int(port) if port else natpmp.PORT,
+                                 on_change=lambda state: self._wake.set())
+        nursery.start_soon(self.mapper.run)
+
     def _listen_ports(self) -> list[int]:
+        """Ports peers are asked to dial us back on: those we listen on, and the one the router mapped."""
         ports = {ep[1] for a in self._host.get_transport_addrs() if (ep := autonat.tcp_endpoint(a))}
+        if self.mapper is not None and self.mapper.state.status == "mapped":
+            ports.add(self.mapper.state.external_port)
         return sorted(ports)
 
     def _direct_peers(self) -> list[ID]:
@@ -143,11 +161,14 @@ class NatService:
             delay_s = RETRY_S if self.status == "unknown" or (self.status == "private" and not self.relays) \
                 else RECHECK_S
             self.peer_connected = trio.Event()
+            self._wake = trio.Event()
             with trio.move_on_after(delay_s):
-                # A new peer is a new witness while we know nothing yet; otherwise wait the period out.
+                # A new peer is a new witness while we know nothing yet; a new port mapping is worth
+                # checking at once; otherwise wait the period out.
                 if self.status == "unknown":
                     await self.peer_connected.wait()
-                await trio.sleep(delay_s)
+                    await trio.sleep(delay_s)
+                await self._wake.wait()
 
     async def check_once(self) -> None:
         servers = self._direct_peers()[:MAX_SERVERS]

@@ -13,12 +13,15 @@ if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
     echo "shoal: Python 3.11 or newer is needed ($("$PYTHON" --version 2>&1) found); set PYTHON=/path/to/python3.11" >&2
     exit 2
 fi
-# The NAT tests build routers with nftables (and the NAT benchmark clears their state with conntrack):
-# as root, install them from Debian's packages when missing; without root those tests skip.
+# The NAT tests build routers with nftables (and the NAT benchmark clears their state with conntrack),
+# and one router offers NAT-PMP with miniupnpd (the nftables build: a binary and scripts, no service
+# that starts on its own): as root, install them from Debian's packages when missing; without root
+# those tests skip.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     missing=""
     command -v nft >/dev/null 2>&1 || missing="$missing nftables"
     command -v conntrack >/dev/null 2>&1 || missing="$missing conntrack"
+    command -v miniupnpd >/dev/null 2>&1 || [ -x /usr/sbin/miniupnpd ] || missing="$missing miniupnpd-nftables"
     if [ -n "$missing" ]; then
         echo "setup: installing$missing for the netlab NAT tests" >&2
         apt-get install -y -q $missing >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $missing >/dev/null; } \

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import netlab_nat
+from scripts import netlab_nat, netlab_portmap
 from scripts.local_swarm import ROOT, Swarm, stop
 from scripts.swarm_task import TaskRun, spec_fields, use_local_corpus
 from tests.integration.test_swarm_processes import FAST_ENV
@@ -164,6 +164,41 @@ def test_a_symmetric_home_cannot_punch_yet_trains_every_round(nat_lab_factory, t
     """Symmetric against port-restricted: no TCP hole punch can work; bulk data goes through the public node."""
     lab = nat_lab_factory(1, ["port_restricted", "symmetric"])
     train_demo_behind_nat(lab, tmp_path, expect_direct=False)
+
+
+@pytest.mark.timeout(180)
+def test_a_home_router_that_offers_nat_pmp_makes_its_node_public(nat_lab_factory, tmp_path):
+    """p0's router runs miniupnpd (NAT-PMP); p1's offers nothing. Both sit behind port-restricted NATs."""
+    reason = netlab_portmap.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    lab = nat_lab_factory(1, ["port_restricted", "port_restricted"])
+    netlab_portmap.offer_port_mapping(lab, "p0", tmp_path / "router")
+    swarm = Swarm(3, tmp_path, lab=lab, env={**FAST_ENV, "SHOAL_PORT_MAPPING": "true"})
+    public, mapped, unmapped = swarm.nodes
+    router_ip = lab.home_of("p0")["public_address"]
+    try:
+        swarm.start(watch_interval_s=0.5)
+        took_s = wait_for(lambda: reach(mapped).get("status") == "public"
+                          and reach(unmapped).get("status") == "private"
+                          and (reach(unmapped).get("port_mapping") or {}).get("status") == "unavailable",
+                          60, "the node whose router maps its port is public and the other private", swarm)
+        mapping = reach(mapped)["port_mapping"]
+        assert (mapping["status"], mapping["external_address"], mapping["external_port"]) == \
+            ("mapped", router_ip, 4001), mapping
+        assert "answers no NAT-PMP" in reach(unmapped)["port_mapping"]["reason"], reach(unmapped)
+        # The router's word is not enough: peers dialed the mapped port back on fresh connections.
+        assert f"/ip4/{router_ip}/tcp/4001/p2p/{mapped.peer_id}" in reach(mapped)["public_addrs"], reach(mapped)
+        assert f"dnat ip to {lab.host('p0').address}:4001" in netlab_portmap.mappings(lab, "p0")
+        # It announces that address, not a relayed one, and the other home dials it directly.
+        wait_for(lambda: mapped.peer_id in unmapped.peers and mapped.peer_id not in
+                 reach(unmapped).get("relayed_only_peers", []) and not reach(mapped).get("relay_addrs"),
+                 30, "the other home node reaches the mapped one directly", swarm)
+        print(json.dumps({"public_after_s": round(took_s, 1), "mapping": mapping["summary"]}))
+    finally:
+        swarm.stop()
+    # A node that stops deletes its mapping instead of leaving the port open for the lease's hour.
+    assert "dnat" not in netlab_portmap.mappings(lab, "p0")
 
 
 @pytest.mark.timeout(180)

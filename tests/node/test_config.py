@@ -35,6 +35,9 @@ def test_a_node_table_in_the_file_is_accepted(tmp_path):
     ("control_host = '0.0.0.0'", "loopback only"),
     ("bootstrap = ['/ip4/1.2.3.4/tcp/1']", "/p2p/<peer id> suffix"),
     ("roles = ['emperor']", "unknown role"),
+    ("port_mapping_gateway = 'router.local'", "'router.local' is not an IPv4 address; e.g. 192.168.1.1"),
+    ("port_mapping_gateway = '192.168.1.1:99999'", "'99999' is not a UDP port"),
+    ("port_mapping = 'sometimes'", "port_mapping"),
     ("this is not toml", "not valid TOML"),
 ])
 def test_wrong_values_name_the_key_and_the_fix(tmp_path, text, match):

@@ -46,3 +46,20 @@ def test_task_samples_from_the_task_service_status():
     # Each node's announced share, by short peer id; a node that has not trained yet has no series.
     shares = {k[1]: v for k, v in got.items() if k[0] == "shoal_task_peer_training_share"}
     assert shares == {(("peer", "a" * 10), task): 0.9}
+
+
+async def test_reachability_samples_show_the_port_mapping_state():
+    from node.nat_status import start_nat_status
+    from p2p.api import HostStatistics, Reachability
+
+    reach = Reachability(status="public", port_mapping={"status": "mapped"})
+    host = SimpleNamespace(reachability=lambda: reach, statistics=HostStatistics, connected_peers=lambda: [])
+    node = SimpleNamespace(host=host, status_sources={}, metric_sources=[])
+    await start_nat_status(node, None)
+    got = {(s[0], tuple(s[3].items())): s[4] for s in node.metric_sources[0]()}
+    assert got[("shoal_port_mapping", (("status", "mapped"),))] == 1
+    assert got[("shoal_port_mapping", (("status", "unavailable"),))] == 0
+    assert got[("shoal_reachability", (("status", "public"),))] == 1
+    assert node.status_sources["reachability"]()["port_mapping"] == {"status": "mapped"}
+    reach = Reachability(status="private")  # port mapping off: no series at all
+    assert not any(s[0] == "shoal_port_mapping" for s in node.metric_sources[0]())

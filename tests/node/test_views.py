@@ -2,7 +2,7 @@
 
 from rich.console import Console
 
-from node.views import print_task
+from node.views import print_status, print_task
 
 A, B = "12D3KooW" + "a" * 44, "12D3KooW" + "b" * 44
 
@@ -58,3 +58,14 @@ def test_task_show_says_what_was_screened_out_of_the_applied_aggregates_and_of_i
     assert "opposed: 6 (slices left out of the applied aggregates, charged alike on every node)" in text
     assert "opposed: 2 left out by this node's aggregations" in text
     assert "screened out" not in shown(base)
+
+
+def test_status_shows_the_routers_port_mapping():
+    console = Console(record=True, width=220, color_system=None)
+    mapping = {"status": "mapped",
+               "summary": "NAT-PMP on 192.168.1.1: 203.0.113.9:4001 -> port 4001 (renewed every 1800 s)"}
+    print_status({"peer_id": A, "reachability": {"status": "public", "reason": "2 of 2 peer(s) dialed back",
+                                                 "port_mapping": mapping}}, console)
+    text = console.export_text()
+    assert "public (2 of 2 peer(s) dialed back)" in text
+    assert "port mapping: NAT-PMP on 192.168.1.1: 203.0.113.9:4001 -> port 4001" in text

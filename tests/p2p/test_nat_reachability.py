@@ -120,3 +120,26 @@ async def test_bulk_protocols_never_cross_a_relay_and_relayed_bytes_are_counted(
         assert await stream.read(100) == b"x" * 50
         await stream.close()
         assert bulk not in b.statistics().relayed_bytes_by_protocol
+
+
+async def test_a_mapped_port_is_dialed_back_before_it_counts():
+    """The router (a NAT-PMP stand-in on loopback UDP) grants a port nothing forwards: peers' dial-backs
+    fail there, so only the listen port, which they did reach, is announced as public."""
+    from test_portmap import Router
+
+    router = Router(grant_port=40001)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(router.serve)
+        swarm = Swarm("libp2p")
+        config = make_config(nat=True, port_mapping=True, port_mapping_gateway=f"127.0.0.1:{port}")
+        async with swarm.hosts(2, config) as (a, b):
+            await connect(a, b)
+            await wait_until(lambda: a.reachability().port_mapping.get("status") == "mapped"
+                             and a.reachability().status == "public"
+                             and 40001 in next(iter(a.nat.verdict.answers.values())).asked_ports, timeout_s=20)
+            r = a.reachability()
+            assert r.port_mapping["external_port"] == 40001 and r.port_mapping["internal_port"] != 40001
+            assert r.public_addrs == (f"/ip4/127.0.0.1/tcp/{r.port_mapping['internal_port']}/p2p/{a.peer_id}",)
+        # The hosts stopped: each deleted its mapping.
+        assert [m[3] for m in router.maps()].count(0) == 2
+        nursery.cancel_scope.cancel()
