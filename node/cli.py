@@ -74,8 +74,8 @@ def start(
     announce_addr: Optional[List[str]] = typer.Option(None, "--announce-addr",
                                                       help="Address peers should dial, e.g. a public IP (repeatable)."),
     mdns: Optional[bool] = typer.Option(None, "--mdns/--no-mdns", help="Find peers on the local network."),
-    port_mapping: Optional[bool] = typer.Option(None, "--port-mapping/--no-port-mapping",
-                                                help="Ask the home router (NAT-PMP) to forward the listen port."),
+    port_mapping: Optional[bool] = typer.Option(
+        None, "--port-mapping/--no-port-mapping", help="Ask the home router (NAT-PMP or UPnP) to forward the listen port."),
     control_port: Optional[int] = typer.Option(None, "--control-port", help="Control API port (0: any free one)."),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--no-log-json", help="Log one JSON object per line."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),

@@ -58,10 +58,10 @@ class NodeConfig:
     relay_service: bool = True
     """Serve as a limited circuit relay (control traffic only) once peers confirm this node is public."""
     port_mapping: bool = False
-    """Ask the home router over NAT-PMP (RFC 6886) to forward the listen port; peers' dial-backs still decide
-    whether the node is public. Off by default: it sends UDP to the default gateway."""
+    """Ask the home router (NAT-PMP, then UPnP IGD) to forward the listen port; peers' dial-backs still decide
+    whether the node is public. Off by default: it sends UDP and HTTP to the default gateway."""
     port_mapping_gateway: str = ""
-    """The router to ask, IP or IP:PORT; empty: the default route's gateway, UDP port 5351."""
+    """The router to ask, IP or IP:PORT (NAT-PMP's port, 5351 by default); empty: the default route's gateway."""
     log_json: bool = False
     log_level: str = "info"
 

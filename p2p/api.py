@@ -99,9 +99,9 @@ class HostConfig:
     direct_only_protocols: tuple[str, ...] = ()
     """Protocols (bulk data) that never run over a relayed connection, in either direction."""
     port_mapping: bool = False
-    """With nat: ask the home router over NAT-PMP to forward the listen port (p2p.portmap)."""
+    """With nat: ask the home router (NAT-PMP, then UPnP IGD) to forward the listen port (p2p.portmap)."""
     port_mapping_gateway: str = ""
-    """The router to ask, "ip" or "ip:port"; empty: the default route's gateway on UDP 5351."""
+    """The router to ask, "ip" or "ip:port" (NAT-PMP's port); empty: the default route's gateway."""
 
 
 @dataclass(kw_only=True)

@@ -1,24 +1,28 @@
-"""Port mapping on the home router over NAT-PMP (RFC 6886), kept alive while the node runs.
+"""Port mapping on the home router, over NAT-PMP (RFC 6886) or UPnP IGD, kept alive while the node runs.
 
-A node behind a router that offers NAT-PMP asks it to forward its listen port, renews the mapping
-before half its lifetime has passed, asks again at once if the router was restarted (its epoch
-went back), and deletes the mapping when the node stops. Whether the mapping made the node
-reachable is not taken on the router's word: the dial-back check (p2p.autonat) is asked about
-the mapped port too, and only peers' successful dial-backs make the node public.
+A node behind a router asks it to forward its listen port: NAT-PMP first, then UPnP IGD, each
+asked of the gateway alone (nothing is multicast). It renews the mapping before half its
+lifetime has passed, maps again at once if the router forgot it (NAT-PMP: its epoch went back;
+UPnP: the mapping is no longer listed), and deletes the mapping when the node stops. Whether the
+mapping made the node reachable is not taken on the router's word: the dial-back check
+(p2p.autonat) is asked about the mapped port too, and only peers' successful dial-backs make the
+node public.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import trio
 
-from protocol import natpmp
-from protocol.errors import DecodeError
+from protocol import natpmp, upnp
+from protocol.errors import DecodeError, RemoteProtocolError
 
 log = logging.getLogger("shoal.nat")
 
@@ -32,6 +36,12 @@ CHECK_S = 60.0
 RETRY_UNAVAILABLE_S = 300.0
 """How soon to ask again after no answer or a refusal (the router may be rebooting)."""
 RTF_UP, RTF_GATEWAY = 0x1, 0x2
+HTTP_TIMEOUT_S = 5.0
+MAX_DATAGRAM_BYTES = 2048
+"""NAT-PMP answers are 16 bytes at most; an SSDP answer is a few hundred."""
+SSDP_WAIT_S = upnp.SEARCH_MX_S + 0.5
+"""Routers delay each search answer by up to MX seconds, even to a unicast search."""
+DESCRIPTION = "shoal"
 
 
 class NoAnswer(Exception):
@@ -58,37 +68,156 @@ def default_gateway(route_file: Path = Path("/proc/net/route")) -> str | None:
 
 
 async def exchange(gateway: str, payload: bytes, parse: Callable[[bytes], T], *, port: int = natpmp.PORT,
-                   tries: int = TRIES) -> T:
+                   tries: int = TRIES, first_wait_s: float = natpmp.RETRY_FIRST_S, what: str = "NAT-PMP",
+                   any_source_port: bool = False) -> T:
     """Send payload to gateway:port on the RFC's retry schedule; return the first answer parse accepts.
 
-    The socket is connected, so the kernel drops datagrams from any other address. A datagram that
-    does not parse as the answer we wait for is ignored (logged), a refusal (NatPmpRefused) is
-    raised, and silence or an ICMP port-unreachable raises NoAnswer.
+    Only the gateway's datagrams are read: the socket is connected to gateway:port, so the kernel
+    drops anyone else's and reports an ICMP port-unreachable; with any_source_port (SSDP answers
+    come from another port than 1900) it is not, and datagrams from other addresses are skipped. A
+    datagram that does not parse as the answer we wait for is ignored (logged), a refusal is
+    raised, and silence or a port-unreachable raises NoAnswer.
     """
     with trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            await sock.connect((gateway, port))
+            if any_source_port:
+                await sock.bind(("0.0.0.0", 0))
+            else:
+                await sock.connect((gateway, port))
         except OSError as exc:
             raise NoAnswer(f"cannot reach {gateway}:{port} ({exc.strerror or exc})") from None
-        wait_s = natpmp.RETRY_FIRST_S
+        wait_s = first_wait_s
         for _ in range(tries):
             try:
-                await sock.send(payload)
+                await sock.sendto(payload, (gateway, port))
             except OSError as exc:
                 raise NoAnswer(f"cannot send to {gateway}:{port} ({exc.strerror or exc})") from None
             with trio.move_on_after(wait_s):
                 while True:
                     try:
-                        data = await sock.recv(64)
+                        data, source = await sock.recvfrom(MAX_DATAGRAM_BYTES)
                     except ConnectionRefusedError:
-                        raise NoAnswer(f"{gateway} answers no NAT-PMP on UDP port {port}") from None
+                        raise NoAnswer(f"{gateway} answers no {what} on UDP port {port}") from None
+                    if source[0] != gateway:
+                        continue
                     try:
                         return parse(data)
                     except DecodeError as exc:
-                        log.debug("ignored a datagram from %s:%d: %s", gateway, port, exc)
+                        log.debug("ignored a datagram from %s:%d: %s", *source, exc)
             wait_s *= 2
-    total_s = natpmp.RETRY_FIRST_S * (2 ** tries - 1)
-    raise NoAnswer(f"no NAT-PMP answer from {gateway} within {total_s:g} s")
+    total_s = first_wait_s * (2 ** tries - 1)
+    raise NoAnswer(f"no {what} answer from {gateway} within {total_s:g} s")
+
+
+class NatPmpRouter:
+    """A gateway that speaks NAT-PMP; the epoch in its answers tells when it forgot its mappings."""
+
+    name = "NAT-PMP"
+
+    def __init__(self, gateway: str, port: int = natpmp.PORT):
+        self.gateway, self.port = gateway, port
+        self._epoch: tuple[int, float] | None = None
+
+    async def address(self) -> tuple[str, bool]:
+        """(external address, whether the router lost its mappings since we last asked)."""
+        answer = await exchange(self.gateway, natpmp.external_address_request(), natpmp.parse_external_address,
+                                port=self.port)
+        now = trio.current_time()
+        forgot = self._epoch is not None and natpmp.epoch_went_back(*self._epoch, answer.epoch_s, now)
+        self._epoch = (answer.epoch_s, now)
+        return answer.address, forgot
+
+    async def map(self, internal: int, wanted: int, lifetime_s: int) -> tuple[int, int]:
+        request = natpmp.map_request(internal, external_port=wanted, lifetime_s=lifetime_s)
+        mapping = await exchange(self.gateway, request, lambda d: natpmp.parse_mapping(d, internal_port=internal),
+                                 port=self.port)
+        if mapping.lifetime_s == 0:
+            raise natpmp.NatPmpRefused(4)
+        return mapping.external_port, mapping.lifetime_s
+
+    async def delete(self, internal: int, external: int) -> None:
+        await exchange(self.gateway, natpmp.map_request(internal, lifetime_s=0),
+                       lambda d: natpmp.parse_mapping(d, internal_port=internal), port=self.port, tries=2)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a redirect would lead away from the gateway: it stays an error status
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects)
+"""Straight to the router: no proxy from the environment, no redirects."""
+
+
+def _http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One HTTP request to the router (in a worker thread); (status, at most MAX_DOCUMENT_BYTES + 1 bytes)."""
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
+    try:
+        with _OPENER.open(request, timeout=HTTP_TIMEOUT_S) as response:
+            return response.status, response.read(upnp.MAX_DOCUMENT_BYTES + 1)
+    except urllib.error.HTTPError as exc:  # a SOAP fault comes as HTTP 500 with its body
+        return exc.code, exc.read(upnp.MAX_DOCUMENT_BYTES + 1)
+    except (OSError, ValueError) as exc:
+        raise NoAnswer(f"UPnP request to {url} failed ({exc})") from None
+
+
+class UpnpRouter:
+    """A gateway that speaks UPnP IGD, found by a unicast M-SEARCH to its port 1900."""
+
+    name = "UPnP IGD"
+
+    def __init__(self, gateway: str, ssdp_port: int = upnp.SSDP_PORT):
+        self.gateway, self.ssdp_port = gateway, ssdp_port
+        self.service: upnp.Service | None = None
+        self.local_address = ""
+
+    async def _call(self, action: str, **args: str | int) -> dict[str, str]:
+        if self.service is None:
+            location = await exchange(self.gateway, upnp.search_request(self.gateway),
+                                      lambda d: upnp.parse_search_response(d, self.gateway), port=self.ssdp_port,
+                                      tries=2, first_wait_s=SSDP_WAIT_S, what="UPnP (SSDP)", any_source_port=True)
+            status, description = await trio.to_thread.run_sync(_http, location)
+            if status != 200:
+                raise NoAnswer(f"the router's UPnP description at {location} answered HTTP {status}")
+            self.service = upnp.find_connection_service(description, location, self.gateway)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the address the router sees us at
+                probe.connect((self.gateway, self.ssdp_port))
+                self.local_address = probe.getsockname()[0]
+        headers, body = upnp.soap_request(self.service, action, args)
+        status, reply = await trio.to_thread.run_sync(_http, self.service.control_url, body, headers)
+        return upnp.parse_soap_response(status, reply, action)
+
+    async def address(self) -> tuple[str, bool]:
+        return upnp.external_address(await self._call("GetExternalIPAddress")), False
+
+    async def still_mapped(self, internal: int, external: int) -> bool:
+        try:
+            entry = await self._call("GetSpecificPortMappingEntry", NewRemoteHost="", NewExternalPort=external,
+                                     NewProtocol="TCP")
+        except upnp.UpnpFault:
+            return False
+        return entry.get("NewInternalClient") == self.local_address and entry.get("NewInternalPort") == str(internal)
+
+    async def map(self, internal: int, wanted: int, lifetime_s: int) -> tuple[int, int]:
+        args = dict(NewRemoteHost="", NewExternalPort=wanted, NewProtocol="TCP", NewInternalPort=internal,
+                    NewEnabled=1, NewPortMappingDescription=DESCRIPTION)
+        try:
+            await self._call("AddPortMapping", **args, NewInternalClient=self.local_address,
+                             NewLeaseDuration=lifetime_s)
+        except upnp.UpnpFault as exc:
+            if exc.code != 725:
+                raise
+            # IGD:1 routers that only keep permanent mappings: one is deleted when the node stops.
+            await self._call("AddPortMapping", **args, NewInternalClient=self.local_address, NewLeaseDuration=0)
+            return wanted, 0
+        return wanted, lifetime_s
+
+    async def delete(self, internal: int, external: int) -> None:
+        await self._call("DeletePortMapping", NewRemoteHost="", NewExternalPort=external, NewProtocol="TCP")
+
+
+REFUSALS = (NoAnswer, RemoteProtocolError)
+"""What a router's failure to map looks like: silence, or an answer refused or malformed."""
 
 
 @dataclass
@@ -96,19 +225,23 @@ class MappingState:
     status: str = "off"
     """off, trying, mapped or unavailable."""
     reason: str = "port_mapping is off"
+    protocol: str = ""
+    """NAT-PMP or UPnP IGD, once one answered."""
     gateway: str = ""
     external_address: str = ""
     external_port: int = 0
     internal_port: int = 0
     lifetime_s: int = 0
+    """0: a permanent mapping (some UPnP routers keep no other kind)."""
 
     def to_dict(self) -> dict:
         return {**asdict(self), "summary": self.line()}
 
     def line(self) -> str:
         if self.status == "mapped":
-            return (f"NAT-PMP on {self.gateway}: {self.external_address}:{self.external_port} -> "
-                    f"port {self.internal_port} (renewed every {self.lifetime_s // 2} s)")
+            renewal = f"renewed every {self.lifetime_s // 2} s" if self.lifetime_s else "permanent until we stop"
+            return (f"{self.protocol} on {self.gateway}: {self.external_address}:{self.external_port} -> "
+                    f"port {self.internal_port} ({renewal})")
         return f"{self.status}: {self.reason}"
 
 
@@ -116,16 +249,16 @@ class PortMapper:
     """Holds one TCP mapping for internal_port on the gateway; run() until cancelled."""
 
     def __init__(self, internal_port: int, *, gateway: str | None = None, port: int = natpmp.PORT,
-                 lifetime_s: int = LIFETIME_S, check_s: float = CHECK_S,
+                 ssdp_port: int = upnp.SSDP_PORT, lifetime_s: int = LIFETIME_S, check_s: float = CHECK_S,
                  on_change: Callable[[MappingState], None] | None = None):
         self.internal_port = internal_port
         self.gateway = gateway
-        self.port = port
+        self.port, self.ssdp_port = port, ssdp_port
         self.lifetime_s = lifetime_s
         self.check_s = check_s
         self.on_change = on_change or (lambda state: None)
         self.state = MappingState(status="trying", reason="asking the router", internal_port=internal_port)
-        self._epoch: tuple[int, float] | None = None
+        self.router: NatPmpRouter | UpnpRouter | None = None
         self._renew_at = 0.0
 
     def _set(self, **changes) -> None:
@@ -141,50 +274,61 @@ class PortMapper:
             while True:
                 await trio.sleep(await self._step())
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            with trio.CancelScope(shield=True), trio.move_on_after(HTTP_TIMEOUT_S):
                 await self._delete()
 
+    async def _find_router(self, gateway: str) -> tuple[NatPmpRouter | UpnpRouter, str]:
+        """The first protocol the gateway answers, with its external address."""
+        failures = []
+        for router in (NatPmpRouter(gateway, self.port), UpnpRouter(gateway, self.ssdp_port)):
+            try:
+                address, _ = await router.address()
+                return router, address
+            except REFUSALS as exc:
+                failures.append(f"{router.name}: {exc}")
+        raise NoAnswer("; ".join(failures))
+
     async def _step(self) -> float:
-        """Check the router's address and epoch; map when there is no mapping, it is due for renewal,
-        or the router forgot it (restarted) or moved; return how long to wait before the next step."""
+        """Check the router's address; map when there is no mapping, it is due for renewal, or the router
+        forgot it or moved; return how long to wait before the next step."""
         gateway = self.gateway or default_gateway()
         if gateway is None:
             self._set(status="unavailable", reason="no IPv4 default gateway to ask")
             return RETRY_UNAVAILABLE_S
         try:
-            address = await exchange(gateway, natpmp.external_address_request(), natpmp.parse_external_address,
-                                     port=self.port)
+            if self.router is None or self.router.gateway != gateway:
+                self.router, address = await self._find_router(gateway)
+                forgot = False
+            else:
+                address, forgot = await self.router.address()
+            router, mapped = self.router, self.state.status == "mapped"
+            if mapped and isinstance(router, UpnpRouter):
+                forgot = not await router.still_mapped(self.internal_port, self.state.external_port)
+            if forgot:
+                log.info("the router at %s lost our mapping; mapping again", gateway)
             now = trio.current_time()
-            restarted = self._epoch is not None and natpmp.epoch_went_back(*self._epoch, address.epoch_s, now)
-            self._epoch = (address.epoch_s, now)
-            if restarted:
-                log.info("the router at %s lost its mappings (its epoch went back); mapping again", gateway)
-            if restarted or self.state.status != "mapped" or now >= self._renew_at \
-                    or address.address != self.state.external_address:
+            if forgot or not mapped or (self.state.lifetime_s and now >= self._renew_at) \
+                    or address != self.state.external_address:
                 # Ask for the port we already hold (or our own): routers keep a mapping's port when they can.
                 wanted = self.state.external_port or self.internal_port
-                request = natpmp.map_request(self.internal_port, external_port=wanted, lifetime_s=self.lifetime_s)
-                mapping = await exchange(gateway, request,
-                                         lambda d: natpmp.parse_mapping(d, internal_port=self.internal_port),
-                                         port=self.port)
-                if mapping.lifetime_s == 0:
-                    raise natpmp.NatPmpRefused(4)
-                self._renew_at = now + mapping.lifetime_s / 2
-                self._set(status="mapped", reason="", gateway=gateway, external_address=address.address,
-                          external_port=mapping.external_port, lifetime_s=mapping.lifetime_s)
-        except (NoAnswer, natpmp.NatPmpRefused) as exc:
+                external, lifetime = await router.map(self.internal_port, wanted, self.lifetime_s)
+                self._renew_at = now + lifetime / 2
+                self._set(status="mapped", reason="", protocol=router.name, gateway=gateway, external_address=address,
+                          external_port=external, lifetime_s=lifetime)
+        except REFUSALS as exc:
+            self.router = None
             self._set(status="unavailable", reason=f"{gateway}: {exc}", gateway=gateway, external_port=0,
                       external_address="", lifetime_s=0)
             return RETRY_UNAVAILABLE_S
+        if not self.state.lifetime_s:  # permanent: only checks
+            return self.check_s
         return max(0.1, min(self.check_s, self._renew_at - trio.current_time()))
 
     async def _delete(self) -> None:
-        if self.state.status != "mapped":
+        if self.state.status != "mapped" or self.router is None:
             return
         try:
-            await exchange(self.state.gateway, natpmp.map_request(self.internal_port, lifetime_s=0),
-                           lambda d: natpmp.parse_mapping(d, internal_port=self.internal_port),
-                           port=self.port, tries=2)
+            await self.router.delete(self.internal_port, self.state.external_port)
             log.info("port mapping on %s deleted", self.state.gateway)
-        except (NoAnswer, natpmp.NatPmpRefused) as exc:
+        except REFUSALS as exc:
             log.info("port mapping on %s not deleted (%s); it lapses after its lifetime", self.state.gateway, exc)

@@ -1,11 +1,12 @@
-"""A netlab home router that offers NAT-PMP: miniupnpd (Debian's miniupnpd-nftables) in the router's namespace.
+"""A netlab home router that offers port mapping: miniupnpd (Debian's miniupnpd-nftables) in the router's namespace.
 
 miniupnpd refuses to forward ports while its outside address is a private one, as every lab
 address is, unless a STUN check says the router sits behind no filtering NAT. So the first public
 host also runs a small STUN responder (RFC 5389 Binding, XOR-MAPPED-ADDRESS only) that answers
 with the address each request came from: on the lab's bridge that is the router's own outside
-address, which is what a router with a public address would learn. Only NAT-PMP is turned on
-(no UPnP, so nothing is multicast), and the router's mappings live in their own nftables table.
+address, which is what a router with a public address would learn. It offers NAT-PMP, UPnP IGD
+or both; with UPnP on, miniupnpd also multicasts its SSDP notices, which stay on the home's own
+link. The router's mappings live in their own nftables table.
 """
 
 from __future__ import annotations
@@ -62,12 +63,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def config(*, lan_subnet: str, stun_host: str) -> str:
+PROTOCOLS = ("nat-pmp", "upnp")
+
+
+def config(*, lan_subnet: str, stun_host: str, protocols: tuple[str, ...] = ("nat-pmp",)) -> str:
+    unknown = set(protocols) - set(PROTOCOLS)
+    if unknown or not protocols:
+        raise ValueError(f"protocols {protocols!r}: choose from {PROTOCOLS}")
     return "\n".join([
         f"ext_ifname={netlab.HOST_LINK}",
         "listening_ip=lan0",
-        "enable_natpmp=yes",
-        "enable_upnp=no",
+        f"enable_natpmp={'yes' if 'nat-pmp' in protocols else 'no'}",
+        f"enable_upnp={'yes' if 'upnp' in protocols else 'no'}",
         "ext_perform_stun=yes",
         f"ext_stun_host={stun_host}",
         f"ext_stun_port={STUN_PORT}",
@@ -84,7 +91,7 @@ def config(*, lan_subnet: str, stun_host: str) -> str:
     ]) + "\n"
 
 
-def offer_port_mapping(lab, host: str, work_dir: Path) -> Path:
+def offer_port_mapping(lab, host: str, work_dir: Path, protocols: tuple[str, ...] = ("nat-pmp",)) -> Path:
     """Run miniupnpd on the router of private host `host` (a netlab_nat.NatLab home); return its log file.
 
     Its config, pid file and log go in work_dir. It stops with the lab: every process in a lab
@@ -106,15 +113,17 @@ def offer_port_mapping(lab, host: str, work_dir: Path) -> Path:
     work_dir.mkdir(parents=True, exist_ok=True)
     base = work_dir / f"miniupnpd-{router.name}"
     conf = base.with_suffix(".conf")
-    conf.write_text(config(lan_subnet=home["router_lan_address"].rsplit(".", 1)[0] + ".0/24", stun_host=stun.address))
+    conf.write_text(config(lan_subnet=home["router_lan_address"].rsplit(".", 1)[0] + ".0/24", stun_host=stun.address,
+                           protocols=protocols))
     log = base.with_suffix(".log")
     with log.open("w") as out:
         lab.exec(router.name, [miniupnpd(), "-f", str(conf), "-d", "-P", str(base.with_suffix(".pid"))],
                  stdout=out, stderr=out)
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while "Listening for NAT-PMP" not in log.read_text():
+    ready = "Listening for NAT-PMP" if "nat-pmp" in protocols else "HTTP listening on port"
+    while ready not in log.read_text():
         if time.monotonic() > deadline or "Port forwarding is impossible" in log.read_text():
-            raise netlab.NetlabError(f"miniupnpd on {router.name} did not start NAT-PMP: {log.read_text()[-2000:]}")
+            raise netlab.NetlabError(f"miniupnpd on {router.name} did not start: {log.read_text()[-2000:]}")
         time.sleep(0.1)
     if "Port forwarding is now enabled" not in log.read_text():
         raise netlab.NetlabError(f"miniupnpd on {router.name} will not forward ports: {log.read_text()[-2000:]}")
@@ -122,7 +131,7 @@ def offer_port_mapping(lab, host: str, work_dir: Path) -> Path:
 
 
 def mappings(lab, host: str) -> str:
-    """The router's current NAT-PMP forwarding rules for `host`, as nft lists them."""
+    """The router's current port-mapping rules for `host`, as nft lists them."""
     router = lab.host(lab.home_of(host)["router"])
     return netlab._run(["ip", "netns", "exec", router.namespace, "nft", "list", "chain", "inet", "miniupnpd",
                         "prerouting_miniupnpd"])

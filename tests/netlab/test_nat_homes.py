@@ -167,13 +167,14 @@ def test_a_symmetric_home_cannot_punch_yet_trains_every_round(nat_lab_factory, t
 
 
 @pytest.mark.timeout(180)
-def test_a_home_router_that_offers_nat_pmp_makes_its_node_public(nat_lab_factory, tmp_path):
-    """p0's router runs miniupnpd (NAT-PMP); p1's offers nothing. Both sit behind port-restricted NATs."""
+@pytest.mark.parametrize("offered, protocol", [("nat-pmp", "NAT-PMP"), ("upnp", "UPnP IGD")])
+def test_a_home_router_that_maps_ports_makes_its_node_public(nat_lab_factory, tmp_path, offered, protocol):
+    """p0's router runs miniupnpd (NAT-PMP or UPnP IGD); p1's offers nothing. Both are port-restricted NATs."""
     reason = netlab_portmap.unavailable_reason()
     if reason:
         pytest.skip(reason)
     lab = nat_lab_factory(1, ["port_restricted", "port_restricted"])
-    netlab_portmap.offer_port_mapping(lab, "p0", tmp_path / "router")
+    netlab_portmap.offer_port_mapping(lab, "p0", tmp_path / "router", protocols=(offered,))
     swarm = Swarm(3, tmp_path, lab=lab, env={**FAST_ENV, "SHOAL_PORT_MAPPING": "true"})
     public, mapped, unmapped = swarm.nodes
     router_ip = lab.home_of("p0")["public_address"]
@@ -184,9 +185,10 @@ def test_a_home_router_that_offers_nat_pmp_makes_its_node_public(nat_lab_factory
                           and (reach(unmapped).get("port_mapping") or {}).get("status") == "unavailable",
                           60, "the node whose router maps its port is public and the other private", swarm)
         mapping = reach(mapped)["port_mapping"]
-        assert (mapping["status"], mapping["external_address"], mapping["external_port"]) == \
-            ("mapped", router_ip, 4001), mapping
-        assert "answers no NAT-PMP" in reach(unmapped)["port_mapping"]["reason"], reach(unmapped)
+        assert (mapping["status"], mapping["protocol"], mapping["external_address"], mapping["external_port"]) == \
+            ("mapped", protocol, router_ip, 4001), mapping
+        why = reach(unmapped)["port_mapping"]["reason"]
+        assert "answers no NAT-PMP" in why and "no UPnP (SSDP) answer" in why, why
         # The router's word is not enough: peers dialed the mapped port back on fresh connections.
         assert f"/ip4/{router_ip}/tcp/4001/p2p/{mapped.peer_id}" in reach(mapped)["public_addrs"], reach(mapped)
         assert f"dnat ip to {lab.host('p0').address}:4001" in netlab_portmap.mappings(lab, "p0")

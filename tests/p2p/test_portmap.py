@@ -53,10 +53,18 @@ class Router:
         return [r for r in self.requests if r[0] == natpmp.OP_MAP_TCP]
 
 
+def closed_udp_port() -> int:
+    """A loopback UDP port nothing listens on: a datagram there is answered with ICMP port-unreachable."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 async def run_mapper(nursery, router: Router, **kwargs) -> portmap.PortMapper:
     port = router.port or await nursery.start(router.serve)
     changes: list[str] = []
-    mapper = portmap.PortMapper(4001, gateway="127.0.0.1", port=port,
+    # UPnP, tried when NAT-PMP fails, finds nothing here (it is tested against miniupnpd in netlab).
+    mapper = portmap.PortMapper(4001, gateway="127.0.0.1", port=port, ssdp_port=closed_udp_port(),
                                 on_change=lambda state: changes.append(state.status), **kwargs)
     mapper.changes = changes
     nursery.start_soon(mapper.run)
@@ -81,6 +89,7 @@ async def test_the_listen_port_is_mapped_and_the_granted_port_is_what_counts():
                 ("203.0.113.9", 40001, 4001, portmap.LIFETIME_S)
             assert state.to_dict()["summary"] == \
                 "NAT-PMP on 127.0.0.1: 203.0.113.9:40001 -> port 4001 (renewed every 1800 s)"
+            assert state.protocol == "NAT-PMP"
             # We asked for our own port; the router's grant is what we use.
             assert router.maps() == [(natpmp.OP_MAP_TCP, 4001, 4001, portmap.LIFETIME_S)]
             assert mapper.changes == ["mapped"]
@@ -118,20 +127,20 @@ async def test_a_refusal_is_reported_with_the_routers_reason():
     async with trio.open_nursery() as nursery:
         mapper = await run_mapper(nursery, router)
         await wait_until(lambda: mapper.state.status == "unavailable")
-        assert "turned off on the router" in mapper.state.reason, mapper.state
+        assert "NAT-PMP: the router refused: not authorized" in mapper.state.reason, mapper.state
         assert router.maps() == []  # the address request was refused already
         nursery.cancel_scope.cancel()
 
 
-async def test_no_nat_pmp_on_the_gateway_is_reported_at_once():
-    with trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as closed:
-        await closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    mapper = portmap.PortMapper(4001, gateway="127.0.0.1", port=port)
-    with trio.fail_after(2):  # an ICMP port-unreachable ends the wait; no retry schedule to sit through
+async def test_a_gateway_without_nat_pmp_or_upnp_is_reported_with_each_protocols_reason():
+    mapper = portmap.PortMapper(4001, gateway="127.0.0.1", port=closed_udp_port(), ssdp_port=closed_udp_port())
+    with trio.fail_after(8):
         await mapper._step()
     assert mapper.state.status == "unavailable"
-    assert "answers no NAT-PMP" in mapper.state.reason
+    # NAT-PMP's port-unreachable ends its wait at once; SSDP answers come from another port, so its
+    # socket is not connected and it waits out its two tries.
+    assert "NAT-PMP: 127.0.0.1 answers no NAT-PMP" in mapper.state.reason
+    assert "UPnP IGD: no UPnP (SSDP) answer from 127.0.0.1 within 4.5 s" in mapper.state.reason
 
 
 async def test_a_silent_gateway_times_out_on_the_rfcs_schedule():
@@ -166,3 +175,35 @@ def test_the_default_gateway_comes_from_the_kernels_routing_table(tmp_path):
     table.write_text("Iface\tDestination\tGateway\tFlags\neth0\t0000D60A\t00000000\t0001\n")
     assert portmap.default_gateway(table) is None
     assert portmap.default_gateway(tmp_path / "missing") is None
+
+
+def test_requests_to_the_router_follow_no_redirect_and_no_proxy(monkeypatch):
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            if self.path == "/rootDesc.xml":  # sends us elsewhere (here: to its own /elsewhere)
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}/elsewhere")
+                self.end_headers()
+            else:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"followed")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # would fail the request if it were used
+    try:
+        status, _ = portmap._http(f"http://127.0.0.1:{server.server_port}/rootDesc.xml")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 302 and hits == ["/rootDesc.xml"]
