@@ -49,6 +49,9 @@ class NodeConfig:
     max_tasks: int = 2
     """Tasks this node runs at once (each has its own trainer process); more are declined."""
     hardware_benchmark: bool = True
+    train_processes: int = 0
+    """Local processes for a round's inner steps (node/train/ranks.py); 0: one per CUDA device when the task may
+    use one, else 1. On the CPU more than 1 only splits the same cores (it is how the multi-rank path is tested)."""
     shard_single_source: bool = False
     """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
     shard_bytes: int = DEFAULT_SHARD_BYTES
@@ -85,6 +88,8 @@ class NodeConfig:
                  "must be HOST:PORT, e.g. 0.0.0.0:9464")
         need(1 <= self.max_peers <= 10_000, "max_peers", "must be between 1 and 10000")
         need(1 <= self.max_tasks <= 64, "max_tasks", "must be between 1 and 64")
+        need(0 <= self.train_processes <= 64, "train_processes",
+             "must be between 0 (one per GPU) and 64")
         need(self.gossip_rate_per_s > 0 and self.gossip_burst >= 1, "gossip_rate_per_s",
              "the gossip flood limit needs a positive rate and a burst of at least 1")
         need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",

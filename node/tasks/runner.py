@@ -585,7 +585,7 @@ class TaskRunner:
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
             time_budget_s=spec.time_budget_s or None, opt_state_path=self.dir / "inner_opt.safetensors",
-            device=self._device())
+            device=self._device(), processes=self._processes())
 
     async def _evaluate(self) -> float:
         if self.hf is not None:
@@ -603,6 +603,16 @@ class TaskRunner:
     def num_params(self) -> int:
         """Values a round exchanges: the hf recipe's trainable tensors, or all of TinyLM."""
         return self.hf.num_params() if self.hf is not None else self.spec.model.num_params()
+
+    def _processes(self) -> int:
+        """Local ranks for the inner steps: train_processes, or one per CUDA device when the task may use one
+        (the trainer child uses fewer when the batch does not split evenly)."""
+        if self.node.config.train_processes:
+            return self.node.config.train_processes
+        if self.spec.requirements.device == "cpu":
+            return 1
+        devices = ((self.node.hardware_report or {}).get("torch") or {}).get("devices") or []
+        return max(1, sum(1 for d in devices if d.get("works") and str(d.get("device", "")).startswith("cuda")))
 
     def _device(self) -> str:
         """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.

@@ -166,6 +166,8 @@ class TaskService:
         except Exception as exc:
             log.exception("task %s (%s) failed", tid[:12], known.spec.name)
             known.decision, known.reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
+            # The runner's own phase would still read as it was when the error escaped ("round 3: training").
+            known.runner.phase, known.runner.detail = "failed", known.reason
             self.node.traffic.drops["task_failed"] += 1
         if not status.done:
             task_status.started()

@@ -165,6 +165,7 @@ class TrainerClient:
         opt_state_path: str | os.PathLike | None = None,
         log_every: int = 10,
         device: str = "auto",
+        processes: int = 1,
     ) -> TrainResult:
         """Train in the child; the pseudo-gradient base − trained lands in out_path (safetensors)."""
         reply = await self.request(
@@ -182,6 +183,7 @@ class TrainerClient:
             opt_state_path=os.fspath(opt_state_path) if opt_state_path is not None else None,
             log_every=log_every,
             device=device,
+            processes=processes,
         )
         return TrainResult(
             samples=reply["samples"],

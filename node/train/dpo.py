@@ -60,12 +60,14 @@ def dpo_loss(config: HFConfig, model, pairs, device) -> torch.Tensor:
     return -F.logsigmoid(config.dpo_beta * margins(config, model, pairs, device)).mean()
 
 
-def loss_fn(config: HFConfig, model, recs: list[dict], batch_size: int, seed: int, device):
+def loss_fn(config: HFConfig, model, recs: list[dict], batch_size: int, seed: int, device, ranks=None):
     pairs = encode_pairs(config, recs)
     gen = torch.Generator().manual_seed(seed)
 
     def loss_of(step: int) -> torch.Tensor:
         picks = torch.randint(0, len(pairs), (batch_size,), generator=gen).tolist()
+        if ranks is not None:
+            picks = ranks.share(picks)
         return dpo_loss(config, model, [pairs[i] for i in picks], device)
     return loss_of
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from node.dataset import decode_records, is_pairs
 from node.train.diloco import Named
-from node.train.inner import AdamWConfig, _dump_opt_state, _load_opt_state
+from node.train.inner import AdamWConfig, _dump_opt_state, _load_opt_state, whole_batch_loss
 
 MEMORY_FACTOR_FULL = 6
 """Bytes per trained float32 value, in units of 4: weights, grad, two AdamW moments, outer momentum, base copy."""
@@ -190,8 +190,11 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
 # -- the inner loop ------------------------------------------------------------------------------
 
 def run_inner(*, trainable: dict, loss_of, steps: int, adamw: AdamWConfig, seed: int, batch_size: int,
-              opt_state: Named | None, time_budget_s: float | None, log_every: int, progress) -> dict:
-    """AdamW on the trainable tensors for up to ``steps`` steps (nanoGPT decay groups, warmup, clipping)."""
+              opt_state: Named | None, time_budget_s: float | None, log_every: int, progress, ranks=None) -> dict:
+    """AdamW on the trainable tensors for up to ``steps`` steps (nanoGPT decay groups, warmup, clipping).
+
+    With ranks (node/train/ranks.py) loss_of gives this rank's share of the batch; gradients and the
+    committed losses are averaged over the ranks."""
     start = time.monotonic()
     names = list(trainable)
     params = [trainable[n] for n in names]
@@ -207,7 +210,8 @@ def run_inner(*, trainable: dict, loss_of, steps: int, adamw: AdamWConfig, seed:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in range(steps):
-            if step and time_budget_s is not None and time.monotonic() - start >= time_budget_s:
+            over = bool(step) and time_budget_s is not None and time.monotonic() - start >= time_budget_s
+            if ranks.agree(over) if ranks is not None else over:
                 break
             lr = adamw.lr * min(1.0, (prior + step + 1) / adamw.warmup_steps) if adamw.warmup_steps else adamw.lr
             for group in opt.param_groups:
@@ -215,22 +219,27 @@ def run_inner(*, trainable: dict, loss_of, steps: int, adamw: AdamWConfig, seed:
             loss = loss_of(step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if ranks is not None:
+                ranks.average_grads(params)
             if adamw.grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, adamw.grad_clip)
             opt.step()
             done = step + 1
             if step % log_every == 0 or done == steps:
-                losses.append((step, loss.item()))
-                progress(step, loss.item())
+                value = whole_batch_loss(loss, ranks)
+                losses.append((step, value))
+                progress(step, value)
     if losses[-1][0] != done - 1:
-        losses.append((done - 1, loss.item()))
+        losses.append((done - 1, whole_batch_loss(loss, ranks)))
     return {"weights": {n: trainable[n].detach().to("cpu", torch.float32).contiguous().clone() for n in names},
             "opt_state": _dump_opt_state(opt, names, params), "steps": done, "samples": done * batch_size,
             "losses": losses, "seconds": time.monotonic() - start}
 
 
-def causal_loss_fn(config: HFConfig, model, recs: list[dict], batch_size: int, seed: int, device):
+def causal_loss_fn(config: HFConfig, model, recs: list[dict], batch_size: int, seed: int, device, ranks=None):
     sampler = lm_windows(token_stream(config.model_dir, recs), config.seq_len, batch_size, seed)
+    if ranks is not None:
+        return lambda step: lm_loss(model, ranks.rows(next(sampler)).to(device))
     return lambda step: lm_loss(model, next(sampler).to(device))
 
 

@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 from node.train.data import batches
 from node.train.diloco import Named, named_tensors
 from node.train.model import VOCAB_SIZE, ModelConfig, TinyLM
+
+if TYPE_CHECKING:
+    from node.train.ranks import Ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +105,11 @@ def _dump_opt_state(opt: torch.optim.AdamW, names: list[str], params: list) -> N
     return out
 
 
+def whole_batch_loss(loss: torch.Tensor, ranks: Ranks | None) -> float:
+    """The loss a node commits to: with ranks, the mean of their equal shares (a collective call)."""
+    return ranks.mean(loss) if ranks is not None else loss.item()
+
+
 def train_inner(
     *,
     model_config: ModelConfig,
@@ -115,12 +124,15 @@ def train_inner(
     log_every: int = 10,
     progress: Callable[[int, float], None] | None = None,
     device: torch.device | str = "cpu",
+    ranks: Ranks | None = None,
 ) -> InnerResult:
     """Up to `steps` AdamW steps from base_weights on seeded batches of `data`.
 
     Stops early once time_budget_s has passed (after at least one step), so a slow device
     contributes fewer samples instead of stalling the round. Losses are recorded at step 0,
-    every log_every steps and the last step: the commitment a validator replays.
+    every log_every steps and the last step: the commitment a validator replays. With ranks
+    (node/train/ranks.py), this process trains on its share of each batch and the gradients and
+    losses are the whole batch's.
     """
     if steps < 1 or log_every < 1:
         raise ValueError(f"steps and log_every must be >= 1, got {steps} and {log_every}")
@@ -148,25 +160,30 @@ def train_inner(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # dropout masks, when the config asks for dropout
         for step in range(steps):
-            if step and time_budget_s is not None and time.monotonic() - start >= time_budget_s:
+            over = bool(step) and time_budget_s is not None and time.monotonic() - start >= time_budget_s
+            if ranks.agree(over) if ranks is not None else over:
                 break
             lr = adamw.lr * min(1.0, (prior_steps + step + 1) / adamw.warmup_steps) if adamw.warmup_steps else adamw.lr
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = lm_loss(model, next(sampler).to(device, non_blocking=True))
+            batch = next(sampler)
+            loss = lm_loss(model, (ranks.rows(batch) if ranks is not None else batch).to(device, non_blocking=True))
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if ranks is not None:
+                ranks.average_grads(params)
             if adamw.grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, adamw.grad_clip)
             opt.step()
             done = step + 1
             if step % log_every == 0 or done == steps:
-                losses.append((step, loss.item()))
+                value = whole_batch_loss(loss, ranks)
+                losses.append((step, value))
                 if progress is not None:
-                    progress(step, loss.item())
+                    progress(step, value)
     last_loss_step = done - 1
-    if losses[-1][0] != last_loss_step:  # stopped early by the time budget
-        losses.append((last_loss_step, loss.item()))
+    if losses[-1][0] != last_loss_step:  # stopped early by the time budget (on every rank at once)
+        losses.append((last_loss_step, whole_batch_loss(loss, ranks)))
     return InnerResult(
         weights=named_tensors(model),
         opt_state=_dump_opt_state(opt, names, params),

@@ -58,7 +58,7 @@ def prepare(req: dict) -> dict:
             "memory_estimate_bytes": 4 * (total + factor * trained) + (256 << 20)}
 
 
-def train(req: dict, *, device, progress) -> dict:
+def train(req: dict, *, device, progress, ranks=None) -> dict:
     from node.train import dpo, hf
     from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
     from node.train.inner import AdamWConfig
@@ -74,17 +74,21 @@ def train(req: dict, *, device, progress) -> dict:
     make = dpo.loss_fn if config.recipe == "hf-dpo" else hf.causal_loss_fn
     opt_path = req.get("opt_state_path")
     result = hf.run_inner(
-        trainable=trainable, loss_of=make(config, model, chosen, batch_size, seed, device), steps=int(req["steps"]),
-        adamw=adamw, seed=seed, batch_size=batch_size,
+        trainable=trainable, loss_of=make(config, model, chosen, batch_size, seed, device, ranks),
+        steps=int(req["steps"]), adamw=adamw, seed=seed, batch_size=batch_size,
         opt_state=load_named(opt_path) if opt_path and os.path.exists(opt_path) else None,
-        time_budget_s=req.get("time_budget_s"), log_every=int(req.get("log_every") or 10), progress=progress)
+        time_budget_s=req.get("time_budget_s"), log_every=int(req.get("log_every") or 10), progress=progress,
+        ranks=ranks)
+    if ranks is not None and ranks.rank != 0:
+        return {}
     delta = pseudo_gradient(base, result["weights"])
     save_named(req["out_path"], delta)
     if opt_path:
         save_named(opt_path, result["opt_state"])
     return {"samples": result["samples"], "steps": result["steps"], "losses": [[s, x] for s, x in result["losses"]],
             "seconds": result["seconds"], "out_path": req["out_path"], "base_hash": weights_hash(base),
-            "update_hash": weights_hash(delta), "device": str(device)}
+            "update_hash": weights_hash(delta),
+            "device": str(device) if ranks is None else f"{device.type} x{ranks.world}"}
 
 
 def evaluate(req: dict, *, device) -> dict:

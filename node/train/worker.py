@@ -25,6 +25,7 @@ serving. EOF on stdin at a frame boundary exits 0. Progress lines go to stderr.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -113,14 +114,39 @@ def _log(message: str) -> None:
 
 
 def handle_train(req: dict) -> dict:
+    """One round's inner steps; with "processes" > 1, over that many local ranks (node/train/ranks.py)."""
+    from node.train.inner import resolve_device
+    from node.train.ranks import run_ranks, usable_processes
+
+    device = resolve_device(_field(req, "device", str, "auto"))
+    asked = _field(req, "processes", int, 1)
+    world = usable_processes(asked, _field(req, "batch_size", int), device.type == "cuda")
+    if world > 1:
+        _log(f"train id={req.get('id')}: {world} processes ({'NCCL on CUDA' if device.type == 'cuda' else 'gloo'})")
+        return run_ranks(world, functools.partial(_train_rank, req), cuda=device.type == "cuda")
+    if asked > 1:
+        _log(f"train id={req.get('id')}: one process (asked for {asked}; the devices or the batch do not split)")
+    return _train(req, device, None)
+
+
+def _train_rank(req: dict, ranks) -> dict:
+    return _train(req, ranks.device, ranks)
+
+
+def _train(req: dict, device, ranks) -> dict:
     from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
-    from node.train.inner import AdamWConfig, resolve_device, train_inner
+    from node.train.inner import AdamWConfig, train_inner
     from node.train.model import ModelConfig
 
+    rid = req.get("id")
+    lead = ranks is None or ranks.rank == 0
+
+    def progress(step: int, loss: float) -> None:
+        if lead:
+            _log(f"train id={rid} step {step}/{req.get('steps')} loss {loss:.4f}")
+
     if _recipes().is_hf(_field(req, "model", dict)):
-        rid = req.get("id")
-        return _recipes().train(req, device=resolve_device(_field(req, "device", str, "auto")),
-                                progress=lambda step, loss: _log(f"train id={rid} step {step} loss {loss:.4f}"))
+        return _recipes().train(req, device=device, progress=progress, ranks=ranks)
     config = ModelConfig.from_dict(_field(req, "model", dict))
     adamw = AdamWConfig.from_dict(_field(req, "adamw", dict, {}))
     base = load_named(_field(req, "base_path", str))
@@ -130,11 +156,6 @@ def handle_train(req: dict) -> dict:
     opt_path = _field(req, "opt_state_path", str, None)
     out_path = _field(req, "out_path", str)
     opt_state = load_named(opt_path) if opt_path and os.path.exists(opt_path) else None
-    device = resolve_device(_field(req, "device", str, "auto"))
-    rid = req.get("id")
-
-    def progress(step: int, loss: float) -> None:
-        _log(f"train id={rid} step {step}/{steps} loss {loss:.4f}")
 
     result = train_inner(
         model_config=config,
@@ -149,7 +170,10 @@ def handle_train(req: dict) -> dict:
         log_every=_field(req, "log_every", int, 10),
         progress=progress,
         device=device,
+        ranks=ranks,
     )
+    if not lead:
+        return {}
     delta = pseudo_gradient(base, result.weights)
     save_named(out_path, delta)
     if opt_path:
@@ -162,7 +186,7 @@ def handle_train(req: dict) -> dict:
         "out_path": out_path,
         "base_hash": weights_hash(base),
         "update_hash": weights_hash(delta),
-        "device": str(device),
+        "device": str(device) if ranks is None else f"{device.type} x{ranks.world}",
     }
 
 

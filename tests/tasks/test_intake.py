@@ -36,6 +36,8 @@ async def test_a_failing_task_is_marked_failed_and_the_daemon_goes_on(network, t
         assert b.membership.table.alive() == [a.keypair.peer_id]
         shown = a.tasks.summary(task_id(first), known)
         assert shown["decision"] == "failed" and "trainer exploded" in shown["reason"]
+        # Its phase says so too, not the step it was in when the error escaped.
+        assert shown["phase"] == "failed" and "trainer exploded" in shown["detail"]
         nursery.cancel_scope.cancel()
 
 
