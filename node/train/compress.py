@@ -206,6 +206,12 @@ class QuantPayload:
         self.packed = raw[split:] if bits < 8 else None
         if split and not (torch.isfinite(self.scales).all() and (self.scales >= 0).all()):
             raise ValueError(f"{bits}-bit payload has a negative or non-finite block scale")
+        # The encoder writes |q| <= qmax; one step past it (-128, or a 4-bit 15 / 2-bit 3 that would
+        # decode as 8 or 2 times the block's scale) comes from no honest node.
+        if self.q is not None and bool((self.q == -128).any()):
+            raise ValueError("8-bit payload holds -128, past the encoder's range of +-127")
+        if self.packed is not None and self.packed.numel() and int(_unpack(self.packed, bits).max()) > 2 * self.limit:
+            raise ValueError(f"{bits}-bit payload holds a value past the encoder's range of +-{self.limit:g}")
 
     def scratch(self, numel: int) -> torch.Tensor:
         """A buffer big enough for decode of any ``numel`` values (whole covering blocks)."""
@@ -229,7 +235,7 @@ class QuantPayload:
 
 
 def check_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-    """ValueError unless decode_int8 would accept ``data``; reads only the scales (1/64 of the bytes)."""
+    """ValueError unless decode_int8 would accept ``data``: its length, scales and values."""
     QuantPayload(data, numel, block_size)
 
 
