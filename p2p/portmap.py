@@ -161,6 +161,11 @@ def _http(url: str, body: bytes | None = None, headers: dict[str, str] | None = 
         raise NoAnswer(f"UPnP request to {url} failed ({exc})") from None
 
 
+def alternate_ports(internal: int, count: int = 3) -> list[int]:
+    """Ports to ask for when ours is taken: spread over the dynamic range, the same on every try."""
+    return [49152 + (internal + 4099 * k) % 16384 for k in range(1, count + 1)]
+
+
 class UpnpRouter:
     """A gateway that speaks UPnP IGD, found by a unicast M-SEARCH to its port 1900."""
 
@@ -199,18 +204,23 @@ class UpnpRouter:
         return entry.get("NewInternalClient") == self.local_address and entry.get("NewInternalPort") == str(internal)
 
     async def map(self, internal: int, wanted: int, lifetime_s: int) -> tuple[int, int]:
-        args = dict(NewRemoteHost="", NewExternalPort=wanted, NewProtocol="TCP", NewInternalPort=internal,
-                    NewEnabled=1, NewPortMappingDescription=DESCRIPTION)
-        try:
-            await self._call("AddPortMapping", **args, NewInternalClient=self.local_address,
-                             NewLeaseDuration=lifetime_s)
-        except upnp.UpnpFault as exc:
-            if exc.code != 725:
-                raise
-            # IGD:1 routers that only keep permanent mappings: one is deleted when the node stops.
-            await self._call("AddPortMapping", **args, NewInternalClient=self.local_address, NewLeaseDuration=0)
-            return wanted, 0
-        return wanted, lifetime_s
+        """Unlike NAT-PMP, UPnP does not pick another port when ours is taken (another host in the home
+        may run a node on it too): on error 718 we try a few others ourselves."""
+        for external in [wanted, *alternate_ports(internal)]:
+            args = dict(NewRemoteHost="", NewExternalPort=external, NewProtocol="TCP", NewInternalPort=internal,
+                        NewInternalClient=self.local_address, NewEnabled=1, NewPortMappingDescription=DESCRIPTION)
+            try:
+                await self._call("AddPortMapping", **args, NewLeaseDuration=lifetime_s)
+                return external, lifetime_s
+            except upnp.UpnpFault as exc:
+                if exc.code == 725:
+                    # IGD:1 routers that keep only permanent mappings: one is deleted when the node stops.
+                    await self._call("AddPortMapping", **args, NewLeaseDuration=0)
+                    return external, 0
+                if exc.code != 718:
+                    raise
+                log.info("UPnP: external port %d is mapped to another host; trying another", external)
+        raise upnp.UpnpFault(718, "")
 
     async def delete(self, internal: int, external: int) -> None:
         await self._call("DeletePortMapping", NewRemoteHost="", NewExternalPort=external, NewProtocol="TCP")

@@ -207,3 +207,37 @@ def test_requests_to_the_router_follow_no_redirect_and_no_proxy(monkeypatch):
         server.shutdown()
         server.server_close()
     assert status == 302 and hits == ["/rootDesc.xml"]
+
+
+async def test_a_upnp_port_taken_by_another_host_is_mapped_elsewhere():
+    """UPnP routers answer 718 when the external port is mapped to another host (a second node in the home)."""
+    from protocol import upnp
+
+    calls: list[dict] = []
+
+    async def call(action, **args):
+        calls.append({"action": action, **args})
+        if args["NewExternalPort"] == 4001:
+            raise upnp.UpnpFault(718, "ConflictInMappingEntry")
+        return {}
+
+    router = portmap.UpnpRouter("192.168.1.1")
+    router.local_address, router._call = "192.168.1.20", call
+    assert await router.map(4001, 4001, 3600) == (portmap.alternate_ports(4001)[0], 3600)
+    assert [c["NewExternalPort"] for c in calls] == [4001, portmap.alternate_ports(4001)[0]]
+    assert all(c["NewInternalPort"] == 4001 and c["NewInternalClient"] == "192.168.1.20" for c in calls)
+
+    async def always_taken(action, **args):
+        raise upnp.UpnpFault(718, "ConflictInMappingEntry")
+
+    router._call = always_taken
+    with pytest.raises(upnp.UpnpFault, match="718"):
+        await router.map(4001, 4001, 3600)
+
+    async def permanent_only(action, **args):
+        if args["NewLeaseDuration"]:
+            raise upnp.UpnpFault(725, "OnlyPermanentLeasesSupported")
+        return {}
+
+    router._call = permanent_only
+    assert await router.map(4001, 4001, 3600) == (4001, 0)
