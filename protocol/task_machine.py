@@ -93,6 +93,9 @@ JOIN_ANSWERS = 2
 """Members that answer a join from older weights with their own (chosen by rendezvous hash)."""
 OUTVOTED_ROUNDS = 4
 """How many past rounds' outvoted weights are kept out of the heads a node would move to."""
+CONTRIBUTED_ROUNDS = 16
+"""A member's weights vote counts while an aggregate this node applied in the last this-many rounds
+included its work; older contributors are forgotten, so the record stays bounded under churn."""
 
 
 # -- events the caller feeds in (besides the task messages themselves) ----------------------------
@@ -368,9 +371,10 @@ class TaskMachine:
     current: int = -1
     produce_from: int = 0
     dropped: Counter = field(default_factory=Counter)
-    contributed: set[str] = field(default_factory=set)
-    """Producers an aggregate this node applied included (in any round): only their weights votes count, so a
-    crowd of new identities that never contributed verified work cannot outvote the members who did."""
+    contributed: dict[str, int] = field(default_factory=dict)
+    """Producer -> the last round an aggregate this node applied included it. Only the weights votes of those
+    included within CONTRIBUTED_ROUNDS count, so a crowd of new identities that never contributed verified
+    work cannot outvote the members who did (nor can identities that stopped contributing long ago)."""
     _listen_until: float = 0.0
     _joined_zero: bool = False
     _blocked: dict[str, float] = field(default_factory=dict)
@@ -1349,7 +1353,10 @@ class TaskMachine:
             return [*overdue, Apply(rec.index, (), (), why)]
         rec.chosen = tuple(chosen)
         for a in chosen:
-            self.contributed.update(a.included)
+            self.contributed.update(dict.fromkeys(a.included, rec.index))
+        oldest = rec.index - CONTRIBUTED_ROUNDS
+        if len(self.contributed) > 2 * len(rec.members) + 16:  # prune now and then: linear in the record
+            self.contributed = {p: r for p, r in self.contributed.items() if r > oldest}
         overdue += charged
         same = tuple(tuple(m for m in rec.aggregates[c.slice].values() if m.result_hash == c.result_hash and m is not c)
                      for c in chosen)
@@ -1376,11 +1383,12 @@ class TaskMachine:
         self._move(rec, "voted")
         # Only the round's members vote: weights from a node that was not counted in the round (a
         # joiner that counted itself early, a node on another history) are no vote on it.
-        # A member's vote counts once an aggregate this node applied included its work (this round's or an
-        # earlier one's); a node that has applied nothing yet (a fresh joiner's first round) counts every member.
+        # A member's vote counts while an aggregate this node applied in the last CONTRIBUTED_ROUNDS rounds
+        # included its work; a node that has applied none (a fresh joiner's first round) counts every member.
         counted = set(rec.members)
-        if self.contributed:
-            counted &= self.contributed
+        recent = {p for p, r in self.contributed.items() if r > rec.index - CONTRIBUTED_ROUNDS}
+        if recent:
+            counted &= recent
         voters = {p: w for p, w in voters.items() if p in counted and p not in self.audit.banned}
         winner, num_for, num_against = vote(rec.mine, voters)
         effects: list[Effect] = [Overdue(rec.index, "voting", late)] if late else []

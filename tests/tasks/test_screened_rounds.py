@@ -68,8 +68,29 @@ def test_new_identities_whose_work_never_counts_cannot_outvote_the_members_who_d
         sim.lie.add(s)  # and all announce the same other weights, four votes against three
     sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
     for n in honest:
-        assert sim.machines[n].contributed == set(honest), (n, sim.machines[n].contributed)
+        assert set(sim.machines[n].contributed) == set(honest), (n, sim.machines[n].contributed)
     # Every round the honest nodes closed agreed with their own weights: none was pulled to the crowd's.
     closed = [e for n, e in sim.closed if n in honest]
     assert closed and all(e.agreed for e in closed), [e for e in closed if not e.agreed]
     assert len({sim.history[n][5] for n in honest}) == 1
+
+
+def test_members_whose_work_stopped_counting_long_ago_lose_their_votes():
+    """Four members contribute at first, then send only empty updates; once CONTRIBUTED_ROUNDS have passed
+    they all announce other weights, four votes against three. Their old work no longer counts."""
+    from protocol.task_machine import CONTRIBUTED_ROUNDS
+    honest, quitters = ["a", "b", "c"], ["q1", "q2", "q3", "q4"]
+    sim = Swarm(honest + quitters, rounds=CONTRIBUTED_ROUNDS + 8, slices=2, k=2, min_members=3)
+    sim.run_until(lambda: all(sim.machines[n].current >= 2 for n in honest), 300)
+    assert set(quitters) <= set(sim.machines["a"].contributed)  # their early work counted
+    for q in quitters:
+        sim.screen[q] = "empty"
+    quit_at = max(sim.machines[n].current for n in honest)
+    sim.run_until(lambda: all(sim.machines[n].current > quit_at + CONTRIBUTED_ROUNDS for n in honest), 3000)
+    lying_from = max(sim.machines[n].current for n in honest)
+    sim.lie.update(quitters)
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 3000)
+    late = [e for n, e in sim.closed if n in honest and e.round >= lying_from]
+    assert late and all(e.agreed for e in late), [e for e in late if not e.agreed]
+    assert len({sim.history[n][CONTRIBUTED_ROUNDS + 7] for n in honest}) == 1
+    assert len(sim.machines["a"].contributed) <= 2 * 7 + 16  # the record is pruned, not grown for ever
