@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from p2p.interfaces import interface_ipv4_addresses
 
 
@@ -78,8 +80,6 @@ def is_peer_id(text: str) -> bool:
 
 def ipv4_port_problem(text: str) -> str | None:
     """Why text is not "IPv4" or "IPv4:PORT"; None when it is."""
-    import ipaddress
-
     host, sep, port = text.partition(":")
     try:
         ipaddress.IPv4Address(host)

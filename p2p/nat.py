@@ -155,13 +155,14 @@ class NatService:
 
     async def _check_forever(self) -> None:
         while True:
+            # Reset before the check, so a port mapping that changes while it runs still wakes the wait below.
+            self._wake = trio.Event()
             await self.check_once()
             if self.status == "private":
                 await self._keep_relays()
             delay_s = RETRY_S if self.status == "unknown" or (self.status == "private" and not self.relays) \
                 else RECHECK_S
             self.peer_connected = trio.Event()
-            self._wake = trio.Event()
             with trio.move_on_after(delay_s):
                 # A new peer is a new witness while we know nothing yet; a new port mapping is worth
                 # checking at once; otherwise wait the period out.

@@ -24,6 +24,8 @@ except ImportError:  # run as `python scripts/netlab_portmap.py`
 
 STUN_PORT = 3478
 READY_TIMEOUT_S = 20.0
+_stun_running: set[str] = set()
+"""Prefixes of labs whose first public host already runs the STUN responder."""
 
 STUN_RESPONDER = """import socket, struct, sys
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -103,9 +105,9 @@ def offer_port_mapping(lab, host: str, work_dir: Path, protocols: tuple[str, ...
     home = lab.home_of(host)
     router = lab.host(home["router"])
     stun = lab.hosts[0]  # the first public host
-    if not getattr(lab, "stun_running", False):
+    if lab.prefix not in _stun_running:
         lab.exec(stun.name, [sys.executable, "-c", STUN_RESPONDER, str(STUN_PORT)])
-        lab.stun_running = True
+        _stun_running.add(lab.prefix)
     proc = subprocess.run(["ip", "netns", "exec", router.namespace, "nft", "-f", "-"], input=RULESET,
                           capture_output=True, text=True, timeout=netlab.IP_TIMEOUT_S)
     if proc.returncode != 0:

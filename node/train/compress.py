@@ -210,8 +210,12 @@ class QuantPayload:
         # decode as 8 or 2 times the block's scale) comes from no honest node.
         if self.q is not None and bool((self.q == -128).any()):
             raise ValueError("8-bit payload holds -128, past the encoder's range of +-127")
-        if self.packed is not None and self.packed.numel() and int(_unpack(self.packed, bits).max()) > 2 * self.limit:
-            raise ValueError(f"{bits}-bit payload holds a value past the encoder's range of +-{self.limit:g}")
+        if self.packed is not None and self.packed.numel():
+            # Past the range at 4 and 2 bits is exactly an all-ones lane (2 * qmax + 1): test each lane of the
+            # packed bytes in place of unpacking the whole payload a second time.
+            ones = 2 ** bits - 1
+            if any(bool(((self.packed >> shift) & ones).eq_(ones).any()) for shift in range(0, 8, bits)):
+                raise ValueError(f"{bits}-bit payload holds a value past the encoder's range of +-{self.limit:g}")
 
     def scratch(self, numel: int) -> torch.Tensor:
         """A buffer big enough for decode of any ``numel`` values (whole covering blocks)."""

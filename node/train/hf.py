@@ -239,7 +239,7 @@ def run_inner(*, trainable: dict, loss_of, steps: int, adamw: AdamWConfig, seed:
 def causal_loss_fn(config: HFConfig, model, recs: list[dict], batch_size: int, seed: int, device, ranks=None):
     sampler = lm_windows(token_stream(config.model_dir, recs), config.seq_len, batch_size, seed)
     if ranks is not None:
-        return lambda step: lm_loss(model, ranks.rows(next(sampler)).to(device))
+        return lambda step: lm_loss(model, ranks.share(next(sampler)).to(device))
     return lambda step: lm_loss(model, next(sampler).to(device))
 
 

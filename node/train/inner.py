@@ -167,7 +167,7 @@ def train_inner(
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = next(sampler)
-            loss = lm_loss(model, (ranks.rows(batch) if ranks is not None else batch).to(device, non_blocking=True))
+            loss = lm_loss(model, (ranks.share(batch) if ranks is not None else batch).to(device, non_blocking=True))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if ranks is not None:

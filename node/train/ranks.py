@@ -30,12 +30,9 @@ class Ranks:
     world: int
     device: torch.device
 
-    def rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a global batch: rows rank, rank + world, ..."""
+    def share(self, batch):
+        """This rank's share of a global batch (a tensor's rows or a list): items rank, rank + world, ..."""
         return batch[self.rank::self.world]
-
-    def share(self, items: list) -> list:
-        return items[self.rank::self.world]
 
     def average_grads(self, params: list[torch.Tensor]) -> None:
         grads = [p.grad for p in params if p.grad is not None]
@@ -59,6 +56,11 @@ class Ranks:
         t = value.detach().reshape(1).to(self.device, torch.float32)
         dist.all_reduce(t)
         return float(t.item()) / self.world
+
+
+def device_label(device: torch.device, ranks: Ranks | None) -> str:
+    """Where a train request ran, for its reply: "cuda:0", or "cuda x2" over two ranks."""
+    return str(device) if ranks is None else f"{device.type} x{ranks.world}"
 
 
 def usable_processes(asked: int, batch_size: int, cuda: bool) -> int:

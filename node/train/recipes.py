@@ -62,6 +62,7 @@ def train(req: dict, *, device, progress, ranks=None) -> dict:
     from node.train import dpo, hf
     from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
     from node.train.inner import AdamWConfig
+    from node.train.ranks import device_label
     config = _config(req)
     adamw = AdamWConfig.from_dict(req.get("adamw") or {})
     base = load_named(req["base_path"])
@@ -88,7 +89,7 @@ def train(req: dict, *, device, progress, ranks=None) -> dict:
     return {"samples": result["samples"], "steps": result["steps"], "losses": [[s, x] for s, x in result["losses"]],
             "seconds": result["seconds"], "out_path": req["out_path"], "base_hash": weights_hash(base),
             "update_hash": weights_hash(delta),
-            "device": str(device) if ranks is None else f"{device.type} x{ranks.world}"}
+            "device": device_label(device, ranks)}
 
 
 def evaluate(req: dict, *, device) -> dict:

@@ -137,6 +137,7 @@ def _train(req: dict, device, ranks) -> dict:
     from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
     from node.train.inner import AdamWConfig, train_inner
     from node.train.model import ModelConfig
+    from node.train.ranks import device_label
 
     rid = req.get("id")
     lead = ranks is None or ranks.rank == 0
@@ -186,7 +187,7 @@ def _train(req: dict, device, ranks) -> dict:
         "out_path": out_path,
         "base_hash": weights_hash(base),
         "update_hash": weights_hash(delta),
-        "device": str(device) if ranks is None else f"{device.type} x{ranks.world}",
+        "device": device_label(device, ranks),
     }
 
 
