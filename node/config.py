@@ -95,7 +95,8 @@ class NodeConfig:
         need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",
              f"must be between {MIN_SHARD_BYTES} and {MAX_SHARD_BYTES} bytes")
         gateway_problem = netaddrs.ipv4_port_problem(self.port_mapping_gateway) if self.port_mapping_gateway else None
-        need(gateway_problem is None, "port_mapping_gateway", f"{gateway_problem}; e.g. 192.168.1.1 or 192.168.1.1:5351")
+        need(gateway_problem is None, "port_mapping_gateway",
+             f"{gateway_problem}; e.g. 192.168.1.1 or 192.168.1.1:5351")
         need(bool(self.listen), "listen", "give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4001")
         for addr in self.listen:
             problem = netaddrs.listen_problem(addr)
