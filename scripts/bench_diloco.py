@@ -95,14 +95,34 @@ def interface_bytes(lab) -> dict[str, int]:
     return out
 
 
-def run_swarm(setup, args, start, work_dir: Path, lab, *, compression: str) -> dict:
+def parse_arm(arm: str) -> tuple[str, float]:
+    """"int8", "int2+overlap" or "int2+overlap=0.25": the update compression and the task's overlap share."""
+    compression, _, rest = arm.partition("+")
+    if compression not in ("int8", "int4", "int2"):
+        raise ValueError(f"arm {arm!r}: the compression must be int8, int4 or int2")
+    if not rest:
+        return compression, 0.0
+    name, _, share = rest.partition("=")
+    if name != "overlap":
+        raise ValueError(f"arm {arm!r}: after '+' only overlap[=SHARE] is known")
+    try:
+        overlap = float(share) if share else 1.0
+    except ValueError:
+        raise ValueError(f"arm {arm!r}: the overlap share must be a number within 0..1") from None
+    if not 0 < overlap <= 1:
+        raise ValueError(f"arm {arm!r}: the overlap share must be within (0, 1]")
+    return compression, overlap
+
+
+def run_swarm(setup, args, start, work_dir: Path, lab, *, arm: str) -> dict:
     from node.train.diloco import load_named, save_named, weights_hash
     from node.train.simulate import heldout_loss
 
     work_dir.mkdir(parents=True, exist_ok=True)
     init_path = work_dir / "init.safetensors"
     save_named(init_path, start)
-    fields = {**task_fields(setup, args), "compression": compression}
+    compression, overlap = parse_arm(arm)
+    fields = {**task_fields(setup, args), "compression": compression, **({"overlap": overlap} if overlap else {})}
     swarm = Swarm(args.workers, work_dir, lab=lab, env=TASK_ENV)
     try:
         swarm.start()
@@ -176,7 +196,7 @@ def one_run(args, *, seed: int, warm: bool, work_dir: Path, lab) -> list[dict]:
     swarms = {}
     for compression in args.compressions:
         d = swarms[compression] = run_swarm(setup, args, start, work_dir / f"{start_kind}-{seed}-{compression}", lab,
-                                            compression=compression)
+                                            arm=compression)
         log(f"  swarm, {compression}: eval loss {d['eval_loss']}, {d['bytes_per_node']:,} bytes on the busiest "
             f"node's wire, lowest training share {d['train_share_min']}")
     steps = args.rounds * args.inner_steps
@@ -233,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int)
     parser.add_argument("--seeds", help="comma-separated seeds (model init, data order, evaluation batches)")
     parser.add_argument("--starts", help="warm, scratch or both (comma-separated)")
-    parser.add_argument("--compressions", default="int8,int2",
-                        help="the swarm arms' update compressions, the candidate default last (int8, int4, int2)")
+    parser.add_argument("--arms", "--compressions", dest="compressions", default="int8,int2",
+                        help="the swarm arms, the candidate default last: an update compression (int8, int4, int2), "
+                             "with +overlap[=SHARE] for the task option overlap (SHARE of a round's steps, default 1)")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--netlab", action="store_true", help="run each node in its own network-namespace host")
     parser.add_argument("--rate", help="per-host rate limit with --netlab, e.g. 20mbit")
@@ -254,8 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds must be integers separated by commas, not {args.seeds!r}")
     starts = [x.strip() for x in args.starts.split(",") if x.strip()]
     args.compressions = [x.strip() for x in args.compressions.split(",") if x.strip()]
-    if not args.compressions or not set(args.compressions) <= {"int8", "int4", "int2"}:
-        parser.error(f"--compressions must name int8, int4 or int2, not {args.compressions}")
+    try:
+        if not args.compressions:
+            raise ValueError("name at least one arm")
+        for arm in args.compressions:
+            parse_arm(arm)
+    except ValueError as exc:
+        parser.error(f"--arms: {exc}")
     if not seeds or not starts or not set(starts) <= {"warm", "scratch"}:
         parser.error("--seeds needs at least one seed and --starts one of warm, scratch (or both)")
 

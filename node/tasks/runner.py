@@ -578,6 +578,9 @@ class TaskRunner:
             ranges, _ = split_ranges(self.corpus_path.stat().st_size, spec.dataset.num_shards)
             shard_ranges = [ranges[i] for i in mine]
         a = spec.adamw
+        processes = self._processes()
+        # Steps taken while the exchange runs (not past the last round), carried into the next round.
+        overlap = round(spec.overlap * spec.inner_steps) if processes == 1 and r + 1 < spec.rounds else 0
         return await self.trainer.train(
             model=self._model_request(), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
             shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,
@@ -585,7 +588,7 @@ class TaskRunner:
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
             time_budget_s=spec.time_budget_s or None, opt_state_path=self.dir / "inner_opt.safetensors",
-            device=self._device(), processes=self._processes())
+            device=self._device(), processes=processes, overlap=overlap, carry=spec.overlap > 0)
 
     async def _evaluate(self) -> float:
         if self.hf is not None:

@@ -45,6 +45,8 @@ class TrainResult:
     out_path: str
     base_hash: str
     update_hash: str
+    carried_steps: int = 0
+    """Of ``steps``, those taken ahead during the previous round's exchange (overlap)."""
 
 
 def _as_map(value: Any) -> dict:
@@ -166,8 +168,13 @@ class TrainerClient:
         log_every: int = 10,
         device: str = "auto",
         processes: int = 1,
+        overlap: int = 0,
+        carry: bool = False,
     ) -> TrainResult:
-        """Train in the child; the pseudo-gradient base − trained lands in out_path (safetensors)."""
+        """Train in the child; the pseudo-gradient base − trained lands in out_path (safetensors).
+
+        ``overlap``: the child trains on after replying, up to that many steps or until the next request;
+        ``carry``: this round takes those steps in (node/train/worker.py)."""
         reply = await self.request(
             "train",
             model=_as_map(model),
@@ -184,6 +191,8 @@ class TrainerClient:
             log_every=log_every,
             device=device,
             processes=processes,
+            overlap=overlap,
+            carry=carry,
         )
         return TrainResult(
             samples=reply["samples"],
@@ -193,6 +202,7 @@ class TrainerClient:
             out_path=reply["out_path"],
             base_hash=reply["base_hash"],
             update_hash=reply["update_hash"],
+            carried_steps=int(reply.get("carried_steps", 0)),
         )
 
     async def evaluate(

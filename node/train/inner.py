@@ -110,6 +110,85 @@ def whole_batch_loss(loss: torch.Tensor, ranks: Ranks | None) -> float:
     return ranks.mean(loss) if ranks is not None else loss.item()
 
 
+class InnerLoop:
+    """AdamW steps on one model, one at a time, with the optimizer state carried between rounds.
+
+    A round's inner steps run through it (train_inner), and so do the steps a node takes on its own
+    data while its round's exchange is under way (task option ``overlap``): those are carried into
+    its next round by ``rebase``, which moves the local model onto the round's new weights while
+    keeping the progress made since the update was sent.
+    """
+
+    def __init__(self, *, model_config: ModelConfig, weights: Named, adamw: AdamWConfig = AdamWConfig(),
+                 opt_state: Named | None = None, device: torch.device | str = "cpu", ranks: Ranks | None = None):
+        self.config, self.adamw, self.device, self.ranks = model_config, adamw, device, ranks
+        self.model = model_from_weights(model_config, weights, device)
+        self.model.train()
+        self.names = sorted(n for n, _ in self.model.named_parameters())
+        by_name = dict(self.model.named_parameters())
+        self.params = [by_name[n] for n in self.names]
+        # Weight decay on matrices only (nanoGPT): decaying gains and biases toward 0 only hurts.
+        groups = [
+            {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": adamw.weight_decay},
+            {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        self.opt = torch.optim.AdamW(groups, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
+                                     foreach=False)
+        if opt_state:
+            _load_opt_state(self.opt, self.names, self.params, opt_state)
+        self.taken = int(opt_state["step"].item()) if opt_state else 0
+        """Optimizer steps so far, the carried state's included: the warmup counts them."""
+        self.sampler = None
+        self.batch_size = 0
+
+    def feed(self, data: bytes, batch_size: int, seed: int) -> None:
+        """Draw the next steps' batches from ``data``, in the order ``seed`` gives."""
+        self.sampler = batches(data, self.config.seq_len, batch_size, seed)
+        self.batch_size = batch_size
+
+    def step(self) -> torch.Tensor:
+        """One AdamW step on the next batch; the batch's loss before it (this rank's share with ranks)."""
+        adamw, ranks = self.adamw, self.ranks
+        lr = adamw.lr * min(1.0, (self.taken + 1) / adamw.warmup_steps) if adamw.warmup_steps else adamw.lr
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        batch = next(self.sampler)
+        loss = lm_loss(self.model, (ranks.share(batch) if ranks is not None else batch).to(self.device, non_blocking=True))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if ranks is not None:
+            ranks.average_grads(self.params)
+        if adamw.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, adamw.grad_clip)
+        self.opt.step()
+        self.taken += 1
+        return loss
+
+    @torch.no_grad()
+    def rebase(self, base: Named, sent: Named) -> None:
+        """θ_local ← base + (θ_local − sent): onto the round's new weights, keeping the steps taken since
+        ``sent`` (the weights the last update was computed to). The next update, base − θ_local, then
+        carries those steps once."""
+        if set(base) != set(self.names) or set(sent) != set(self.names):
+            raise ValueError("rebase: the weights do not match the model's parameters")
+        for name, p in zip(self.names, self.params):
+            p.add_(base[name].to(p.device) - sent[name].to(p.device))
+
+    @torch.no_grad()
+    def load(self, weights: Named) -> None:
+        """Move the local model to ``weights`` (the optimizer state stays)."""
+        if set(weights) != set(self.names):
+            raise ValueError("load: the weights do not match the model's parameters")
+        for name, p in zip(self.names, self.params):
+            p.copy_(weights[name].to(p.device))
+
+    def weights(self) -> Named:
+        return named_tensors(self.model)
+
+    def opt_state(self) -> Named:
+        return _dump_opt_state(self.opt, self.names, self.params)
+
+
 def train_inner(
     *,
     model_config: ModelConfig,
@@ -125,6 +204,7 @@ def train_inner(
     progress: Callable[[int, float], None] | None = None,
     device: torch.device | str = "cpu",
     ranks: Ranks | None = None,
+    loop: InnerLoop | None = None,
 ) -> InnerResult:
     """Up to `steps` AdamW steps from base_weights on seeded batches of `data`.
 
@@ -132,30 +212,20 @@ def train_inner(
     contributes fewer samples instead of stalling the round. Losses are recorded at step 0,
     every log_every steps and the last step: the commitment a validator replays. With ranks
     (node/train/ranks.py), this process trains on its share of each batch and the gradients and
-    losses are the whole batch's.
+    losses are the whole batch's. With ``loop``, the steps continue that loop (already on
+    base_weights, with its optimizer state) instead of a new one, and it is left for more.
     """
     if steps < 1 or log_every < 1:
         raise ValueError(f"steps and log_every must be >= 1, got {steps} and {log_every}")
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}")
     start = time.monotonic()
-    model = model_from_weights(model_config, base_weights, device)
-    model.train()
-    names = sorted(n for n, _ in model.named_parameters())
-    by_name = dict(model.named_parameters())
-    params = [by_name[n] for n in names]
-    # Weight decay on matrices only (nanoGPT): decaying gains and biases toward 0 only hurts.
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": adamw.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps, foreach=False)
-    if opt_state:
-        _load_opt_state(opt, names, params, opt_state)
-    prior_steps = int(opt_state["step"].item()) if opt_state else 0
+    if loop is None:
+        loop = InnerLoop(model_config=model_config, weights=base_weights, adamw=adamw, opt_state=opt_state,
+                         device=device, ranks=ranks)
+    loop.feed(data, batch_size, seed)
 
     losses: list[tuple[int, float]] = []
-    sampler = batches(data, model_config.seq_len, batch_size, seed)
     done = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # dropout masks, when the config asks for dropout
@@ -163,18 +233,7 @@ def train_inner(
             over = bool(step) and time_budget_s is not None and time.monotonic() - start >= time_budget_s
             if ranks.agree(over) if ranks is not None else over:
                 break
-            lr = adamw.lr * min(1.0, (prior_steps + step + 1) / adamw.warmup_steps) if adamw.warmup_steps else adamw.lr
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batch = next(sampler)
-            loss = lm_loss(model, (ranks.share(batch) if ranks is not None else batch).to(device, non_blocking=True))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if ranks is not None:
-                ranks.average_grads(params)
-            if adamw.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, adamw.grad_clip)
-            opt.step()
+            loss = loop.step()
             done = step + 1
             if step % log_every == 0 or done == steps:
                 value = whole_batch_loss(loss, ranks)
@@ -185,8 +244,8 @@ def train_inner(
     if losses[-1][0] != last_loss_step:  # stopped early by the time budget (on every rank at once)
         losses.append((last_loss_step, whole_batch_loss(loss, ranks)))
     return InnerResult(
-        weights=named_tensors(model),
-        opt_state=_dump_opt_state(opt, names, params),
+        weights=loop.weights(),
+        opt_state=loop.opt_state(),
         steps=done,
         samples=done * batch_size,
         losses=losses,

@@ -24,7 +24,7 @@ import torch
 from node.train.compress import ErrorFeedback, decode_int8, encode_int8
 from node.train.data import DEFAULT_CORPUS_BYTES, build_corpus, derive_seed, split_corpus
 from node.train.diloco import Named, OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
-from node.train.inner import AdamWConfig, evaluate, train_inner
+from node.train.inner import AdamWConfig, InnerLoop, evaluate, train_inner
 from node.train.model import ModelConfig, init_model, num_params
 from protocol.rendezvous import assign_shards
 
@@ -112,6 +112,13 @@ def run_ddp(setup: SimSetup, *, workers: int, steps: int, start: Named | None = 
     return SimResult(name="ddp", eval_loss=loss, samples=result.samples, bytes_per_node=sent, seconds=time.monotonic() - t0)
 
 
+OVERLAPS = ("none", "rebase", "eager", "eager-mix")
+"""How a worker trains through a round's exchange: not at all; as the task option ``overlap`` does, on from where
+its inner steps ended; or from an eager-updates start point (Kale, Douillard and Donchev 2025): the outer step
+its own update alone would give ("eager"), or that of its share of its update plus the others' share of the last
+mean ("eager-mix"). The eager starts measured worse than "rebase" here (README), so the node offers only it."""
+
+
 def run_diloco(
     setup: SimSetup,
     *,
@@ -123,36 +130,64 @@ def run_diloco(
     outer_momentum: float = 0.9,
     error_feedback: bool = False,
     start: Named | None = None,
+    overlap: str = "none",
+    ahead: float = 0.9,
 ) -> SimResult:
     """DiLoCo rounds as the swarm runs them; bytes per node ~ 2x the compressed update per round
-    (reduce-scatter of each node's update to the shard aggregators, all-gather of the mean)."""
+    (reduce-scatter of each node's update to the shard aggregators, all-gather of the mean).
+
+    With ``overlap`` (OVERLAPS) each worker takes ``ahead`` of a round's steps after sending its update, as
+    if the exchange ran meanwhile, and rebases them onto the next round's weights (node/train/worker.py),
+    which then trains only the rest of its steps."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
     t0 = time.monotonic()
     shards, heldout = _data(setup)
     theta = start if start is not None else start_weights(setup)
     outer = OuterNesterov(lr=outer_lr, momentum=outer_momentum)
     peers = [f"peer-{i}" for i in range(workers)]
-    inner_states: dict[str, dict] = {}
+    loops: dict[str, InnerLoop] = {}
+    carried: dict[str, tuple[Named, int]] = {}
     feedback = {peer: ErrorFeedback() for peer in peers}
     samples = sent = 0
+    steps_ahead = min(inner_steps, round(ahead * inner_steps)) if overlap != "none" else 0
+    last_mean = None
     for round_index in range(rounds):
         assignment = assign_shards(TASK_ID, round_index, peers, setup.num_shards)
         updates = {}
         for peer in peers:
-            result = train_inner(
-                model_config=setup.model, base_weights=theta,
-                data=b"".join(shards[i] for i in assignment[peer]), steps=inner_steps,
-                batch_size=setup.batch_size, seed=derive_seed(TASK_ID, round_index, peer),
-                adamw=setup.adamw, opt_state=inner_states.get(peer),
-            )
-            inner_states[peer] = result.opt_state
-            samples += result.samples
-            delta, layout = flatten(pseudo_gradient(theta, result.weights))
+            loop = loops.get(peer)
+            if loop is None:
+                loop = loops[peer] = InnerLoop(model_config=setup.model, weights=theta, adamw=setup.adamw)
+            elif peer in carried:
+                loop.rebase(theta, carried[peer][0])
+            else:
+                loop.load(theta)
+            done = carried.pop(peer, (None, 0))[1]
+            loop.feed(b"".join(shards[i] for i in assignment[peer]), setup.batch_size,
+                      derive_seed(TASK_ID, round_index, peer))
+            for _ in range(inner_steps - done):
+                loop.step()
+            samples += inner_steps * setup.batch_size
+            local = pseudo_gradient(theta, loop.weights())
+            delta, layout = flatten(local)
+            if steps_ahead and round_index + 1 < rounds:
+                if overlap == "eager":
+                    ahead_from = _eager(theta, local, outer)
+                elif overlap == "eager-mix":
+                    ahead_from = _eager(theta, _mix(local, last_mean, layout, workers), outer)
+                else:
+                    ahead_from = loop.weights()
+                loop.load(ahead_from)
+                for _ in range(steps_ahead):
+                    loop.step()
+                carried[peer] = (ahead_from, steps_ahead)
             if compression == "int8":
                 payload = feedback[peer].encode("delta", delta) if error_feedback else encode_int8(delta)
                 delta = decode_int8(payload, delta.numel())
-            updates[peer] = ({"delta": delta}, result.samples)
+            updates[peer] = ({"delta": delta}, inner_steps * setup.batch_size)
         mean = weighted_mean_by_peer(updates)["delta"]
         if compression == "int8":
             payload = encode_int8(mean)  # aggregators ship the mean compressed too
@@ -161,8 +196,25 @@ def run_diloco(
         else:
             sent += 2 * 4 * mean.numel()
         theta = outer.step(theta, unflatten(mean, layout))
+        last_mean = mean
     loss = _eval(setup, theta, heldout)
-    return SimResult(name=f"diloco-{compression}", eval_loss=loss, samples=samples, bytes_per_node=sent, seconds=time.monotonic() - t0)
+    name = f"diloco-{compression}" + ("" if overlap == "none" else f"-{overlap}")
+    return SimResult(name=name, eval_loss=loss, samples=samples, bytes_per_node=sent, seconds=time.monotonic() - t0)
+
+
+def _mix(local: Named, last_mean, layout, workers: int) -> Named:
+    """Kale et al.'s proxy for the round's mean: this worker's share of its own update, the others' the last mean."""
+    if last_mean is None:
+        return {n: t / workers for n, t in local.items()}
+    others = unflatten(last_mean, layout)
+    return {n: t / workers + others[n] * (1 - 1 / workers) for n, t in local.items()}
+
+
+def _eager(theta: Named, delta: Named, outer: OuterNesterov) -> Named:
+    """The outer step one worker's own update alone would give, the optimizer left as it is."""
+    probe = OuterNesterov(lr=outer.lr, momentum=outer.momentum)
+    probe.buffers = dict(outer.buffers)
+    return probe.step(theta, delta)
 
 
 def compare(setup: SimSetup, *, workers: int, rounds: int, inner_steps: int, **diloco_options) -> list[SimResult]:
@@ -193,6 +245,9 @@ def main() -> None:
     parser.add_argument("--compression", choices=COMPRESSIONS, default="int8")
     parser.add_argument("--error-feedback", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--overlap", choices=OVERLAPS, default="none")
+    parser.add_argument("--ahead", type=float, default=0.9, help="with --overlap: the share of a round's steps "
+                        "taken while the exchange runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len)
@@ -204,6 +259,7 @@ def main() -> None:
     results = compare(
         setup, workers=args.workers, rounds=args.rounds, inner_steps=args.inner_steps,
         compression=args.compression, outer_lr=args.outer_lr, error_feedback=args.error_feedback,
+        overlap=args.overlap, ahead=args.ahead,
     )
     for r in results:
         print(f"{r.name:12s} loss {r.eval_loss:.4f}  samples {r.samples}  bytes/node {r.bytes_per_node:,}  {r.seconds:.1f}s")

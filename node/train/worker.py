@@ -7,9 +7,10 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
     {"op": "train", "model": {n_layer, n_head, d_model, seq_len, dropout?}, "base_path",
      "data_path", "shard_ranges": [[start, end], ...], "steps", "batch_size", "seed",
      "out_path", "time_budget_s"?: float|None, "adamw"?: {lr, beta1, beta2, eps, weight_decay,
-     warmup_steps, grad_clip}, "opt_state_path"?: str|None, "log_every"?: int}
+     warmup_steps, grad_clip}, "opt_state_path"?: str|None, "log_every"?: int, "overlap"?: int,
+     "carry"?: bool}
       -> {"ok": true, "samples", "steps", "losses": [[step, loss], ...], "seconds",
-          "out_path", "base_hash", "update_hash"}
+          "carried_steps", "out_path", "base_hash", "update_hash"}
     {"op": "eval", "model", "weights_path", "data_path", "data_range": [start, end],
      "num_batches", "batch_size", "seed"} -> {"ok": true, "loss"}
 
@@ -19,6 +20,13 @@ the base it loaded and of Δ. If opt_state_path is given, the AdamW state is rea
 the file exists and written back after training, so a peer's inner optimizer carries across
 rounds. Shard ranges are byte ranges of data_path, concatenated in the order given.
 
+With "overlap" (a number of steps), the worker keeps training on the same data after it replies,
+until the next request arrives or that many steps are taken (the round's exchange runs meanwhile). A train request
+with "carry" for the same optimizer state and model moves those steps onto its base (θ_local ←
+base + (θ_local − where they started)) and takes only the rest of its
+steps; its reply counts the carried steps, their losses and their seconds. Without "carry", or
+after a restart, they are dropped and the round trains from its base as usual.
+
 A request that fails gets {"ok": false, "error": "<Type>: <message>"} and the worker keeps
 serving. EOF on stdin at a frame boundary exits 0. Progress lines go to stderr.
 """
@@ -26,11 +34,14 @@ serving. EOF on stdin at a frame boundary exits 0. Progress lines go to stderr.
 from __future__ import annotations
 
 import functools
+import io
 import os
+import select
 import sys
 import time
 import traceback
-from typing import BinaryIO
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 import msgpack
 
@@ -135,10 +146,11 @@ def _train_rank(req: dict, ranks) -> dict:
 
 def _train(req: dict, device, ranks) -> dict:
     from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
-    from node.train.inner import AdamWConfig, train_inner
+    from node.train.inner import AdamWConfig, InnerLoop, train_inner
     from node.train.model import ModelConfig
     from node.train.ranks import device_label
 
+    global _carry
     rid = req.get("id")
     lead = ranks is None or ranks.rank == 0
 
@@ -146,6 +158,7 @@ def _train(req: dict, device, ranks) -> dict:
         if lead:
             _log(f"train id={rid} step {step}/{req.get('steps')} loss {loss:.4f}")
 
+    carry, _carry = _carry, None
     if _recipes().is_hf(_field(req, "model", dict)):
         return _recipes().train(req, device=device, progress=progress, ranks=ranks)
     config = ModelConfig.from_dict(_field(req, "model", dict))
@@ -156,39 +169,107 @@ def _train(req: dict, device, ranks) -> dict:
     budget = _field(req, "time_budget_s", (int, float), None)
     opt_path = _field(req, "opt_state_path", str, None)
     out_path = _field(req, "out_path", str)
-    opt_state = load_named(opt_path) if opt_path and os.path.exists(opt_path) else None
-
-    result = train_inner(
-        model_config=config,
-        base_weights=base,
-        data=data,
-        steps=steps,
-        batch_size=_field(req, "batch_size", int),
-        seed=_field(req, "seed", int),
-        adamw=adamw,
-        time_budget_s=budget,
-        opt_state=opt_state,
-        log_every=_field(req, "log_every", int, 10),
-        progress=progress,
-        device=device,
-        ranks=ranks,
-    )
+    batch_size = _field(req, "batch_size", int)
+    if carry is not None and not (req.get("carry") is True and ranks is None and carry.key == (opt_path, config)
+                                  and carry.batch_size == batch_size):
+        carry = None
+    if carry is not None:
+        loop = carry.loop
+        loop.rebase(base, carry.sent)
+        _log(f"train id={rid}: {carry.steps} steps taken during the last exchange carried into this round")
+    else:
+        opt_state = load_named(opt_path) if opt_path and os.path.exists(opt_path) else None
+        loop = InnerLoop(model_config=config, weights=base, adamw=adamw, opt_state=opt_state, device=device,
+                         ranks=ranks)
+        carry = Carry(key=(opt_path, config), loop=loop, batch_size=batch_size)
+    remaining = steps - carry.steps
+    if remaining >= 1:
+        result = train_inner(model_config=config, base_weights=base, data=data, steps=remaining,
+                             batch_size=batch_size, seed=_field(req, "seed", int), adamw=adamw, time_budget_s=budget,
+                             log_every=_field(req, "log_every", int, 10), progress=progress, device=device,
+                             ranks=ranks, loop=loop)
+        weights, opt_state, done, seconds = result.weights, result.opt_state, result.steps, result.seconds
+        losses = [(carry.steps + s, x) for s, x in result.losses]
+    else:  # the exchange outlasted a whole round of steps: those are the update
+        weights, opt_state, done, seconds, losses = loop.weights(), loop.opt_state(), 0, 0.0, []
     if not lead:
         return {}
-    delta = pseudo_gradient(base, result.weights)
+    delta = pseudo_gradient(base, weights)
     save_named(out_path, delta)
     if opt_path:
-        save_named(opt_path, result.opt_state)
+        save_named(opt_path, opt_state)
+    ahead = min(steps, _field(req, "overlap", int, 0))
+    if ahead > 0 and ranks is None:
+        # Keep training on this round's data while the daemon exchanges the update (serve() steps it
+        # between requests); the next round's request carries those steps in.
+        _carry = Carry(key=carry.key, loop=loop, batch_size=batch_size, sent=weights, limit=ahead,
+                       log_every=_field(req, "log_every", int, 10))
+    total = carry.steps + done
     return {
-        "samples": result.samples,
-        "steps": result.steps,
-        "losses": [[s, loss] for s, loss in result.losses],
-        "seconds": result.seconds,
+        "samples": total * batch_size,
+        "steps": total,
+        "losses": [[s, x] for s, x in carry.losses + losses],
+        "seconds": carry.seconds + seconds,
+        "carried_steps": carry.steps,
         "out_path": out_path,
         "base_hash": weights_hash(base),
         "update_hash": weights_hash(delta),
         "device": device_label(device, ranks),
     }
+
+
+@dataclass(kw_only=True)
+class Carry:
+    """Inner steps taken between requests (task option overlap), to be carried into the next round."""
+
+    key: tuple
+    """(the optimizer state's path, the model config): the task and model the steps belong to."""
+    loop: Any
+    batch_size: int
+    sent: dict | None = None
+    """The weights the last update was computed to: the next round rebases the steps taken since."""
+    limit: int = 0
+    """At most this many steps are taken ahead (the task's overlap share of a round's steps)."""
+    log_every: int = 10
+    steps: int = 0
+    seconds: float = 0.0
+    losses: list = field(default_factory=list)
+
+
+_carry: Carry | None = None
+
+
+def _pending(stream: BinaryIO) -> bool:
+    """Whether a request (or EOF) waits on ``stream``; True where that cannot be told (no real pipe)."""
+    try:
+        return bool(select.select([stream.fileno()], [], [], 0)[0])
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return True
+
+
+def _step_ahead(stdin: BinaryIO) -> None:
+    """Train on until the next request arrives or a round's steps are taken: the overlap of a round's
+    exchange with the next round's training. The caller's client waits for each reply before it sends
+    the next request, so nothing is buffered unread when this looks at the pipe."""
+    global _carry
+    c = _carry
+    if c is None or c.steps >= c.limit or _pending(stdin):
+        return
+    started = time.monotonic()
+    first = c.steps
+    try:
+        while c.steps < c.limit and not _pending(stdin):
+            loss = c.loop.step()
+            if c.steps % c.log_every == 0:
+                c.losses.append((c.steps, loss.item()))
+            c.steps += 1
+    except Exception:  # the next round then trains from its weights as without overlap
+        _log(f"training ahead failed; the next round starts afresh:\n{traceback.format_exc()}")
+        _carry = None
+        return
+    finally:
+        c.seconds += time.monotonic() - started
+    _log(f"took {c.steps - first} steps ahead while the round's exchange ran ({c.steps}/{c.limit})")
 
 
 def handle_eval(req: dict) -> dict:
@@ -231,6 +312,7 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> int:
     while True:
         rid = None
         try:
+            _step_ahead(stdin)
             payload = read_frame(stdin)
             if payload is None:
                 return 0

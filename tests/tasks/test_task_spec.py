@@ -146,7 +146,7 @@ def test_a_spec_from_before_the_aggregation_option_keeps_its_encoding_and_id():
     spec = load_spec_toml(SPEC_TOML + LEGACY)
     assert spec.aggregation == AggregationSpec() and task_id(spec) == LEGACY_ID
     wire = msgpack.unpackb(encode(spec))
-    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - 2  # both optional fields left off at their defaults
+    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - 3  # the optional fields left off at their defaults
     assert decode(encode(spec)) == spec
 
 
@@ -156,7 +156,7 @@ def test_the_aggregation_option_travels_and_changes_the_id():
     assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05,
                                                screen=True)
     assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
-    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 1  # trainers left off
+    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 2  # trainers, overlap left off
 
 
 def test_spot_checks_travel_in_the_spec_and_an_aggregation_table_from_before_them_decodes():
@@ -183,6 +183,11 @@ def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
     with pytest.raises(DecodeError, match="default"):  # an empty list is the default: left off, never sent
         decode(msgpack.packb(wire))
     wire[-1] = ["12D3KooW" + "a" * 44]
+    wire.append(0.0)  # overlap at its default: left off, never sent
+    with pytest.raises(DecodeError, match="default"):
+        decode(msgpack.packb(wire))
+    wire[-1] = 0.5
+    assert decode(msgpack.packb(wire)).overlap == 0.5
     wire.append("one too many")
     with pytest.raises(DecodeError, match="fields"):
         decode(msgpack.packb(wire))
@@ -247,3 +252,20 @@ def test_listed_trainers_must_be_able_to_reach_min_members():
     a = Keypair.from_label("trainer-a").peer_id
     with pytest.raises(ConfigError, match="min_members"):
         load_spec_toml(SPEC_TOML.replace("[task]\n", f'[task]\nmin_members = 2\ntrainers = ["{a}"]\n', 1))
+
+
+def test_overlap_travels_in_the_spec_changes_its_id_and_is_left_off_at_zero():
+    spec = load_spec_toml(SPEC_TOML.replace("[task]\n", "[task]\noverlap = 0.5\n", 1))
+    assert spec.overlap == 0.5 and decode(encode(spec)) == spec
+    plain = load_spec_toml(SPEC_TOML)
+    assert task_id(spec) != task_id(plain) and plain.overlap == 0.0
+    assert load_spec_toml(SPEC_TOML.replace("[task]\n", "[task]\noverlap = 0\n", 1)) == plain
+    # One encoding per spec: with trainers empty and overlap 0, the tail is cut back to aggregation.
+    assert len(msgpack.unpackb(encode(plain))) == len(msgpack.unpackb(encode(spec))) - 2
+
+
+@pytest.mark.parametrize("value, match", [("1.5", "overlap must be within 0..1"), ("-0.1", "overlap must be"),
+                                          ("true", "must be a number"), ('"half"', "must be a number")])
+def test_a_bad_overlap_is_refused_with_the_key_named(value, match):
+    with pytest.raises(ConfigError, match=match):
+        load_spec_toml(SPEC_TOML.replace("[task]\n", f"[task]\noverlap = {value}\n", 1))

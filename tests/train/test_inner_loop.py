@@ -76,3 +76,29 @@ def test_device_choice_falls_back_to_the_cpu_and_refuses_a_missing_gpu():
             resolve_device("cuda")
     with pytest.raises(ValueError, match="auto, cpu or cuda"):
         resolve_device("tpu")
+
+
+def test_rebase_keeps_the_steps_taken_since_the_update_was_sent():
+    import torch
+
+    from node.train.diloco import named_tensors
+    from node.train.inner import InnerLoop
+    from node.train.model import init_model
+
+    config = ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=16)
+    start = named_tensors(init_model(config, 0))
+    loop = InnerLoop(model_config=config, weights=start)
+    loop.feed(build_corpus(8 * 1024), 4, seed=1)
+    for _ in range(3):
+        loop.step()
+    sent = loop.weights()
+    for _ in range(2):  # steps ahead, while the round's exchange would run
+        loop.step()
+    ahead = loop.weights()
+    new_base = {n: t + 0.5 for n, t in start.items()}
+    loop.rebase(new_base, sent)
+    after = loop.weights()
+    for name in start:
+        torch.testing.assert_close(after[name], new_base[name] + (ahead[name] - sent[name]))
+    with pytest.raises(ValueError, match="do not match"):
+        loop.rebase({"x": torch.zeros(1)}, sent)

@@ -24,3 +24,13 @@ def test_runs_see_the_same_samples_and_diloco_sends_less():
 def test_diloco_rejects_unknown_compression():
     with pytest.raises(ValueError, match="compression"):
         run_diloco(SETUP, workers=2, rounds=1, inner_steps=1, compression="fp4")
+
+
+@pytest.mark.parametrize("overlap", ["rebase", "eager", "eager-mix"])
+def test_overlap_trains_the_same_samples_and_a_different_path(overlap):
+    plain = run_diloco(SETUP, workers=2, rounds=2, inner_steps=5)
+    ahead = run_diloco(SETUP, workers=2, rounds=2, inner_steps=5, overlap=overlap, ahead=0.6)
+    assert ahead.samples == plain.samples == 2 * 2 * 5 * 4 and ahead.bytes_per_node == plain.bytes_per_node
+    assert math.isfinite(ahead.eval_loss) and ahead.eval_loss != plain.eval_loss
+    with pytest.raises(ValueError, match="overlap"):
+        run_diloco(SETUP, workers=2, rounds=1, inner_steps=1, overlap="sideways")

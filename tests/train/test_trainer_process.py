@@ -109,3 +109,30 @@ async def test_a_cancelled_call_kills_the_child_and_exit_reaps_it(files):
         with pytest.raises(TrainerCrashed):
             await trainer.ping()
     assert trainer.pid is None
+
+
+@pytest.mark.slow
+async def test_a_child_trains_ahead_during_the_exchange_and_carries_the_steps_in(files):
+    """overlap: after its reply the child keeps stepping until the next request; the next round's
+    request (carry) counts those steps, and its update is its own base minus where the steps ended."""
+    tmp, base, shard_ranges, _ = files
+    common = dict(model=TINY, data_path=tmp / "corpus", shard_ranges=shard_ranges[:2], batch_size=4,
+                  adamw={"lr": 1e-2}, opt_state_path=tmp / "adam.safetensors", log_every=1)
+    async with open_trainer() as trainer:
+        with trio.fail_after(60):
+            first = await trainer.train(base_path=tmp / "base.safetensors", steps=40, seed=1,
+                                        out_path=tmp / "d0.safetensors", overlap=40, **common)
+            assert first.carried_steps == 0 and first.steps == 40
+            await trio.sleep(1.0)  # the "exchange": the child trains ahead meanwhile
+            moved = {n: t - 0.01 for n, t in base.items()}
+            save_named(tmp / "base1.safetensors", moved)
+            second = await trainer.train(base_path=tmp / "base1.safetensors", steps=40, seed=2,
+                                         out_path=tmp / "d1.safetensors", carry=True, overlap=40, **common)
+            assert 0 < second.carried_steps <= 40 and second.steps == 40 and second.samples == 160
+            assert second.base_hash == weights_hash(moved)
+            assert [s for s, _ in second.losses][:2] == [0, 1]
+            await trio.sleep(0.3)
+            # Without carry (a re-synced or restarted node) the steps ahead are dropped.
+            third = await trainer.train(base_path=tmp / "base1.safetensors", steps=5, seed=3,
+                                        out_path=tmp / "d2.safetensors", **common)
+            assert third.carried_steps == 0 and third.steps == 5
