@@ -181,3 +181,31 @@ def test_a_node_training_on_two_local_ranks_trains_with_the_others(tmp_path):
     log = (swarm.nodes[0].data_dir / "node.log").read_text()
     assert log.count("2 processes (gloo)") >= 3, log[-3000:]
     assert "2 processes" not in (swarm.nodes[1].data_dir / "node.log").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_with_overlap_members_train_through_the_exchange_and_still_agree(tmp_path):
+    """overlap = 1: each trainer child steps on while its round's update is exchanged and carries those steps
+    into the next round; the updates keep their base and size, so the weights agree and receipts count a round."""
+    swarm = Swarm(3, tmp_path, env=ENV)
+    try:
+        swarm.start(watch_interval_s=0.3)
+        wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
+        run = TaskRun(swarm, {**tiny_fields(6, inner_steps=60), "overlap": 1.0})
+        swarm.task_id = run.publish()
+        wait_for(run.done, 180, "every node finishes", swarm)
+        run.collect()
+    finally:
+        swarm.stop()
+    report = run.report()
+    assert run.ok(report)[0], run.ok(report)
+    rounds = report["task"]["rounds"]
+    assert all(r["members"] == 3 for r in rounds), rounds
+    assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"], [r["eval_loss"] for r in rounds]
+    for node in swarm.nodes:
+        log = (node.data_dir / "node.log").read_text()
+        # Rounds 1..5 each start from steps taken during the previous round's exchange.
+        assert log.count("steps taken during the last exchange carried into this round") >= 4, log[-3000:]
+    first = swarm.nodes[0]
+    receipts = ledger_by_round(first, run.task_id)
+    assert all(x.samples == 60 * 8 for r in receipts.values() for x in r), receipts
