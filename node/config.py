@@ -52,6 +52,10 @@ class NodeConfig:
     train_processes: int = 0
     """Local processes for a round's inner steps (node/train/ranks.py); 0: one per CUDA device when the task may
     use one, else 1. On the CPU more than 1 only splits the same cores (it is how the multi-rank path is tested)."""
+    train_sharding: str = "auto"
+    """With several local ranks: "replicate" (each rank holds the whole model), "shard" (FSDP: each holds
+    1/ranks of the weights, gradients and AdamW state), or "auto": shard on CUDA when a task's training
+    memory estimate passes 80% of the smallest local GPU's memory."""
     shard_single_source: bool = False
     """Fetch shards only from the manifest's publisher (a baseline for benchmarks, not for real swarms)."""
     shard_bytes: int = DEFAULT_SHARD_BYTES
@@ -90,6 +94,8 @@ class NodeConfig:
         need(1 <= self.max_tasks <= 64, "max_tasks", "must be between 1 and 64")
         need(0 <= self.train_processes <= 64, "train_processes",
              "must be between 0 (one per GPU) and 64")
+        need(self.train_sharding in ("auto", "replicate", "shard"), "train_sharding",
+             "must be auto, replicate or shard")
         need(self.gossip_rate_per_s > 0 and self.gossip_burst >= 1, "gossip_rate_per_s",
              "the gossip flood limit needs a positive rate and a burst of at least 1")
         need(MIN_SHARD_BYTES <= self.shard_bytes <= MAX_SHARD_BYTES, "shard_bytes",

@@ -588,7 +588,8 @@ class TaskRunner:
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
             time_budget_s=spec.time_budget_s or None, opt_state_path=self.dir / "inner_opt.safetensors",
-            device=self._device(), processes=processes, overlap=overlap, carry=spec.overlap > 0)
+            device=self._device(), processes=processes, shard=self._shard(processes), overlap=overlap,
+            carry=spec.overlap > 0)
 
     async def _evaluate(self) -> float:
         if self.hf is not None:
@@ -616,6 +617,22 @@ class TaskRunner:
             return 1
         devices = ((self.node.hardware_report or {}).get("torch") or {}).get("devices") or []
         return max(1, sum(1 for d in devices if d.get("works") and str(d.get("device", "")).startswith("cuda")))
+
+    def _shard(self, processes: int) -> bool:
+        """Whether the local ranks shard the model (FSDP) rather than each holding it: train_sharding, where "auto"
+        shards on CUDA when the task's training memory estimate passes 80% of the smallest local GPU."""
+        mode = self.node.config.train_sharding
+        if processes < 2 or mode == "replicate":
+            return False
+        if mode == "shard":
+            return True
+        devices = ((self.node.hardware_report or {}).get("torch") or {}).get("devices") or []
+        gpus = [d.get("memory_bytes") or 0 for d in devices
+                if d.get("works") and str(d.get("device", "")).startswith("cuda")]
+        if self._device() == "cpu" or not gpus or not min(gpus):
+            return False
+        need = self.spec.memory_estimate_bytes() if self.hf is None else self.hf.info.get("memory_estimate_bytes") or 0
+        return need > 0.8 * min(gpus)
 
     def _device(self) -> str:
         """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.

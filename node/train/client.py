@@ -168,6 +168,7 @@ class TrainerClient:
         log_every: int = 10,
         device: str = "auto",
         processes: int = 1,
+        shard: bool = False,
         overlap: int = 0,
         carry: bool = False,
     ) -> TrainResult:
@@ -191,6 +192,7 @@ class TrainerClient:
             log_every=log_every,
             device=device,
             processes=processes,
+            shard=shard,
             overlap=overlap,
             carry=carry,
         )

@@ -28,7 +28,13 @@ Named = dict[str, torch.Tensor]
 def named_tensors(source: nn.Module | Named) -> Named:
     """Parameters by name, sorted, as detached contiguous float32 CPU copies."""
     items = source.named_parameters() if isinstance(source, nn.Module) else source.items()
-    return {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in sorted(items)}
+    return {name: _whole(t.detach()).to("cpu", torch.float32).contiguous().clone() for name, t in sorted(items)}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter sharded across local ranks (node/train/ranks.py) gathered whole: a collective every rank calls."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
 
 
 def flatten(named: Named) -> tuple[torch.Tensor, list[tuple[str, tuple[int, ...]]]]:

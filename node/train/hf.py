@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from node.dataset import decode_records, is_pairs
-from node.train.diloco import Named
+from node.train.diloco import Named, named_tensors
 from node.train.inner import AdamWConfig, _dump_opt_state, _load_opt_state, whole_batch_loss
 
 MEMORY_FACTOR_FULL = 6
@@ -231,7 +231,7 @@ def run_inner(*, trainable: dict, loss_of, steps: int, adamw: AdamWConfig, seed:
                 progress(step, value)
     if losses[-1][0] != done - 1:
         losses.append((done - 1, whole_batch_loss(loss, ranks)))
-    return {"weights": {n: trainable[n].detach().to("cpu", torch.float32).contiguous().clone() for n in names},
+    return {"weights": named_tensors(trainable),
             "opt_state": _dump_opt_state(opt, names, params), "steps": done, "samples": done * batch_size,
             "losses": losses, "seconds": time.monotonic() - start}
 

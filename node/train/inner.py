@@ -87,20 +87,22 @@ def _load_opt_state(opt: torch.optim.AdamW, names: list[str], params: list, stat
     if set(state) != expected:
         raise ValueError(f"optimizer state does not match the model: differs in {sorted(set(state) ^ expected)[:5]}")
     step = state["step"].to(torch.float32).reshape(())
+    from node.train.ranks import Ranks
     for name, p in zip(names, params):
         opt.state[p] = {
             "step": step.clone(),
-            "exp_avg": state[f"exp_avg.{name}"].to(p.device, torch.float32).clone(),
-            "exp_avg_sq": state[f"exp_avg_sq.{name}"].to(p.device, torch.float32).clone(),
+            "exp_avg": Ranks.like(p, state[f"exp_avg.{name}"].to(torch.float32).clone()),
+            "exp_avg_sq": Ranks.like(p, state[f"exp_avg_sq.{name}"].to(torch.float32).clone()),
         }
 
 
 def _dump_opt_state(opt: torch.optim.AdamW, names: list[str], params: list) -> Named:
+    from node.train.ranks import Ranks
     out: Named = {}
     for name, p in zip(names, params):
         s = opt.state[p]
-        out[f"exp_avg.{name}"] = s["exp_avg"].to("cpu").clone()
-        out[f"exp_avg_sq.{name}"] = s["exp_avg_sq"].to("cpu").clone()
+        out[f"exp_avg.{name}"] = Ranks.full(s["exp_avg"]).to("cpu").clone()
+        out[f"exp_avg_sq.{name}"] = Ranks.full(s["exp_avg_sq"]).to("cpu").clone()
         out["step"] = s["step"].to("cpu", torch.float32).reshape(()).clone()
     return out
 
@@ -122,7 +124,9 @@ class InnerLoop:
     def __init__(self, *, model_config: ModelConfig, weights: Named, adamw: AdamWConfig = AdamWConfig(),
                  opt_state: Named | None = None, device: torch.device | str = "cpu", ranks: Ranks | None = None):
         self.config, self.adamw, self.device, self.ranks = model_config, adamw, device, ranks
-        self.model = model_from_weights(model_config, weights, device)
+        self.model = model_from_weights(model_config, weights, device if ranks is None else ranks.build_device())
+        if ranks is not None:
+            ranks.prepare(self.model)
         self.model.train()
         self.names = sorted(n for n, _ in self.model.named_parameters())
         by_name = dict(self.model.named_parameters())

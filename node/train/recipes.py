@@ -68,8 +68,11 @@ def train(req: dict, *, device, progress, ranks=None) -> dict:
     base = load_named(req["base_path"])
     recs = hf.records(req["data_path"])
     chosen = [r for a, b in hf.check_ranges(req.get("shard_ranges"), len(recs)) for r in recs[a:b]]
-    model, trainable = hf.build(config, device)
+    model, trainable = hf.build(config, device if ranks is None else ranks.build_device())
     hf.load_trainable(trainable, base)
+    if ranks is not None and ranks.shard:
+        ranks.prepare(model)
+        trainable = {n: p for n, p in sorted(model.named_parameters()) if p.requires_grad}
     model.train()
     batch_size, seed = int(req["batch_size"]), int(req["seed"])
     make = dpo.loss_fn if config.recipe == "hf-dpo" else hf.causal_loss_fn

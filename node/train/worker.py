@@ -8,7 +8,7 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
      "data_path", "shard_ranges": [[start, end], ...], "steps", "batch_size", "seed",
      "out_path", "time_budget_s"?: float|None, "adamw"?: {lr, beta1, beta2, eps, weight_decay,
      warmup_steps, grad_clip}, "opt_state_path"?: str|None, "log_every"?: int, "overlap"?: int,
-     "carry"?: bool}
+     "carry"?: bool, "processes"?: int, "shard"?: bool}
       -> {"ok": true, "samples", "steps", "losses": [[step, loss], ...], "seconds",
           "carried_steps", "out_path", "base_hash", "update_hash"}
     {"op": "eval", "model", "weights_path", "data_path", "data_range": [start, end],
@@ -133,8 +133,10 @@ def handle_train(req: dict) -> dict:
     asked = _field(req, "processes", int, 1)
     world = usable_processes(asked, _field(req, "batch_size", int), device.type == "cuda")
     if world > 1:
-        _log(f"train id={req.get('id')}: {world} processes ({'NCCL on CUDA' if device.type == 'cuda' else 'gloo'})")
-        return run_ranks(world, functools.partial(_train_rank, req), cuda=device.type == "cuda")
+        shard = req.get("shard") is True
+        _log(f"train id={req.get('id')}: {world} processes ({'NCCL on CUDA' if device.type == 'cuda' else 'gloo'}"
+             f"{', the model sharded (FSDP)' if shard else ''})")
+        return run_ranks(world, functools.partial(_train_rank, req), cuda=device.type == "cuda", shard=shard)
     if asked > 1:
         _log(f"train id={req.get('id')}: one process (asked for {asked}; the devices or the batch do not split)")
     return _train(req, device, None)

@@ -16,10 +16,10 @@ from node.train.ranks import usable_processes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def train(tmp_path, req: dict, processes: int, name: str) -> tuple[dict, dict]:
+def train(tmp_path, req: dict, processes: int, name: str, *, shard: bool = False) -> tuple[dict, dict]:
     out = tmp_path / f"{name}-update.safetensors"
     reply = worker.handle_train({**req, "processes": processes, "out_path": str(out), "device": "cpu",
-                                 "opt_state_path": str(tmp_path / f"{name}-opt.safetensors")})
+                                 "opt_state_path": str(tmp_path / f"{name}-opt.safetensors"), "shard": shard})
     return reply, load_named(str(out))
 
 
@@ -33,7 +33,8 @@ def assert_same_update(one: dict, two: dict, half: dict) -> None:
     assert max(float((half[n] - two[n]).abs().max()) for n in half) > 10 * diff + 1e-6
 
 
-def test_the_tiny_lm_on_two_gloo_ranks_matches_one_process(tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_the_tiny_lm_on_two_gloo_ranks_matches_one_process(tmp_path, shard):
     config = ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16)
     save_named(str(tmp_path / "base.safetensors"), named_tensors(init_model(config, seed=3)))
     (tmp_path / "corpus").write_bytes(build_corpus(64 * 1024))
@@ -41,21 +42,26 @@ def test_the_tiny_lm_on_two_gloo_ranks_matches_one_process(tmp_path):
            "data_path": str(tmp_path / "corpus"), "shard_ranges": [[0, 64 * 1024]], "steps": 6, "batch_size": 8,
            "seed": 11, "adamw": {"lr": 3e-3, "weight_decay": 0.0}, "log_every": 2}
     one_reply, one = train(tmp_path, req, 1, "one")
-    two_reply, two = train(tmp_path, req, 2, "two")
+    two_reply, two = train(tmp_path, req, 2, "two", shard=shard)
     _, half = train(tmp_path, {**req, "batch_size": 4}, 1, "half")
     assert_same_update(one, two, half)
     assert (two_reply["steps"], two_reply["samples"]) == (one_reply["steps"], one_reply["samples"]) == (6, 48)
-    assert two_reply["device"] == "cpu x2"
+    assert two_reply["device"] == ("cpu x2 sharded" if shard else "cpu x2")
     # The committed losses are the whole batch's, not rank 0's half.
     for (s1, l1), (s2, l2) in zip(one_reply["losses"], two_reply["losses"]):
         assert s1 == s2 and abs(l1 - l2) < 1e-4, (one_reply["losses"], two_reply["losses"])
-    # The optimizer state carries over to the next round the same way.
+    # The optimizer state carries over to the next round the same way, whole, and is read back in.
     torch.testing.assert_close(load_named(str(tmp_path / "one-opt.safetensors")),
                                load_named(str(tmp_path / "two-opt.safetensors")), atol=1e-6, rtol=1e-4)
+    _, one2 = train(tmp_path, {**req, "seed": 12}, 1, "one")
+    _, two2 = train(tmp_path, {**req, "seed": 12}, 2, "two", shard=shard)
+    _, half2 = train(tmp_path, {**req, "seed": 12, "batch_size": 4}, 1, "half")
+    assert_same_update(one2, two2, half2)
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 @pytest.mark.parametrize("recipe", ["hf-causal-lm", "hf-dpo"])
-def test_a_lora_model_on_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path, recipe):
+def test_a_lora_model_on_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path, recipe, shard):
     from node.train import recipes
     if recipe == "hf-dpo":
         records = [{"prompt": f"q{i}: what is {i} plus {i}?", "chosen": f" it is {2 * i}.",
@@ -70,7 +76,7 @@ def test_a_lora_model_on_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path
            "shard_ranges": [[0, len(records)]], "steps": 4, "batch_size": 4, "seed": 9,
            "adamw": {"lr": 1e-2, "weight_decay": 0.0}, "log_every": 1}
     one_reply, one = train(tmp_path, req, 1, "one")
-    two_reply, two = train(tmp_path, req, 2, "two")
+    two_reply, two = train(tmp_path, req, 2, "two", shard=shard)
     _, half = train(tmp_path, {**req, "batch_size": 2}, 1, "half")
     assert_same_update(one, two, half)
     assert two_reply["samples"] == one_reply["samples"] == 16
@@ -93,3 +99,21 @@ def test_a_rank_that_fails_fails_the_request_with_its_reason(tmp_path):
            "seed": 1}
     with pytest.raises(Exception, match="missing.safetensors"):
         train(tmp_path, req, 2, "bad")
+
+
+def test_full_fine_tuning_sharded_over_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path):
+    """Every weight of the model trained, each rank holding half of each (and of its AdamW state) under FSDP."""
+    from node.train import recipes
+    records = [{"text": f"record {i}: ada has {i} red keys and gives {i % 3} away."} for i in range(40)]
+    (tmp_path / "records").write_bytes(encode_records(records))
+    model = {"recipe": "hf-causal-lm", "model_dir": str(tiny_llama), "method": "full", "seq_len": 16}
+    recipes.prepare({"model": model, "data_path": str(tmp_path / "records"), "seed": 5,
+                     "out_path": str(tmp_path / "base.safetensors")})
+    req = {"model": model, "base_path": str(tmp_path / "base.safetensors"), "data_path": str(tmp_path / "records"),
+           "shard_ranges": [[0, len(records)]], "steps": 3, "batch_size": 4, "seed": 9,
+           "adamw": {"lr": 1e-3, "weight_decay": 0.0}, "log_every": 1}
+    one_reply, one = train(tmp_path, req, 1, "one")
+    two_reply, two = train(tmp_path, req, 2, "two", shard=True)
+    _, half = train(tmp_path, {**req, "batch_size": 2}, 1, "half")
+    assert_same_update(one, two, half)
+    assert two_reply["device"] == "cpu x2 sharded" and two_reply["samples"] == one_reply["samples"] == 12

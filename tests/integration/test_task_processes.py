@@ -165,10 +165,12 @@ def test_a_killed_trainer_child_is_restarted_and_the_task_goes_on(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_node_training_on_two_local_ranks_trains_with_the_others(tmp_path):
-    """train_processes = 2: that node's trainer child runs each round's inner steps on 2 gloo ranks."""
+@pytest.mark.parametrize("sharding", ["replicate", "shard"])
+def test_a_node_training_on_two_local_ranks_trains_with_the_others(tmp_path, sharding):
+    """train_processes = 2: that node's trainer child runs each round's inner steps on 2 gloo ranks, each with
+    the whole model or (train_sharding = "shard") half of it under FSDP."""
     swarm = Swarm(3, tmp_path, env=ENV)
-    swarm.nodes[0].env = {"SHOAL_TRAIN_PROCESSES": "2"}
+    swarm.nodes[0].env = {"SHOAL_TRAIN_PROCESSES": "2", "SHOAL_TRAIN_SHARDING": sharding}
     try:
         run = started(swarm, rounds=3)
         wait_for(run.done, 240, "every node finishes", swarm)
@@ -179,7 +181,8 @@ def test_a_node_training_on_two_local_ranks_trains_with_the_others(tmp_path):
     assert run.ok(report)[0], run.ok(report)
     assert all(r["members"] == 3 for r in report["task"]["rounds"]), report["task"]["rounds"]
     log = (swarm.nodes[0].data_dir / "node.log").read_text()
-    assert log.count("2 processes (gloo)") >= 3, log[-3000:]
+    said = "2 processes (gloo, the model sharded (FSDP))" if sharding == "shard" else "2 processes (gloo)"
+    assert log.count(said) >= 3, log[-3000:]
     assert "2 processes" not in (swarm.nodes[1].data_dir / "node.log").read_text()
 
 

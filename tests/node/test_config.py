@@ -38,6 +38,7 @@ def test_a_node_table_in_the_file_is_accepted(tmp_path):
     ("port_mapping_gateway = 'router.local'", "'router.local' is not an IPv4 address; e.g. 192.168.1.1"),
     ("port_mapping_gateway = '192.168.1.1:99999'", "'99999' is not a UDP port"),
     ("port_mapping = 'sometimes'", "port_mapping"),
+    ("train_sharding = 'fsdp'", "train_sharding = 'fsdp'.*must be auto, replicate or shard"),
     ("this is not toml", "not valid TOML"),
 ])
 def test_wrong_values_name_the_key_and_the_fix(tmp_path, text, match):
@@ -45,6 +46,11 @@ def test_wrong_values_name_the_key_and_the_fix(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config(path=path, env={})
+
+
+def test_train_sharding_comes_from_the_environment_too():
+    assert load_config(env={}).train_sharding == "auto"
+    assert load_config(env={"SHOAL_TRAIN_SHARDING": "shard"}).train_sharding == "shard"
 
 
 def test_wrong_environment_variable_is_named():
