@@ -60,8 +60,10 @@ def test_the_tiny_lm_on_two_gloo_ranks_matches_one_process(tmp_path, shard):
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
-@pytest.mark.parametrize("recipe", ["hf-causal-lm", "hf-dpo"])
-def test_a_lora_model_on_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path, recipe, shard):
+@pytest.mark.parametrize("recipe, method", [("hf-causal-lm", "lora"), ("hf-dpo", "lora"), ("hf-causal-lm", "full")])
+def test_an_hf_model_on_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path, recipe, method, shard):
+    """LoRA (the adapter trained), DPO, and full fine-tuning (every weight trained; sharded, each rank holds half
+    of each and of its AdamW state)."""
     from node.train import recipes
     if recipe == "hf-dpo":
         records = [{"prompt": f"q{i}: what is {i} plus {i}?", "chosen": f" it is {2 * i}.",
@@ -69,17 +71,18 @@ def test_a_lora_model_on_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path
     else:
         records = [{"text": f"record {i}: ada has {i} red keys and gives {i % 3} away."} for i in range(40)]
     (tmp_path / "records").write_bytes(encode_records(records))
-    model = {"recipe": recipe, "model_dir": str(tiny_llama), "method": "lora", "seq_len": 16}
+    model = {"recipe": recipe, "model_dir": str(tiny_llama), "method": method, "seq_len": 16}
     recipes.prepare({"model": model, "data_path": str(tmp_path / "records"), "seed": 5,
                      "out_path": str(tmp_path / "base.safetensors")})
     req = {"model": model, "base_path": str(tmp_path / "base.safetensors"), "data_path": str(tmp_path / "records"),
            "shard_ranges": [[0, len(records)]], "steps": 4, "batch_size": 4, "seed": 9,
-           "adamw": {"lr": 1e-2, "weight_decay": 0.0}, "log_every": 1}
+           "adamw": {"lr": 1e-2 if method == "lora" else 1e-3, "weight_decay": 0.0}, "log_every": 1}
     one_reply, one = train(tmp_path, req, 1, "one")
     two_reply, two = train(tmp_path, req, 2, "two", shard=shard)
     _, half = train(tmp_path, {**req, "batch_size": 2}, 1, "half")
     assert_same_update(one, two, half)
     assert two_reply["samples"] == one_reply["samples"] == 16
+    assert two_reply["device"] == ("cpu x2 sharded" if shard else "cpu x2")
     assert json.dumps(sorted(one)) == json.dumps(sorted(two))  # the adapter's tensors only, by name
 
 
@@ -99,21 +102,3 @@ def test_a_rank_that_fails_fails_the_request_with_its_reason(tmp_path):
            "seed": 1}
     with pytest.raises(Exception, match="missing.safetensors"):
         train(tmp_path, req, 2, "bad")
-
-
-def test_full_fine_tuning_sharded_over_two_gloo_ranks_matches_one_process(tiny_llama, tmp_path):
-    """Every weight of the model trained, each rank holding half of each (and of its AdamW state) under FSDP."""
-    from node.train import recipes
-    records = [{"text": f"record {i}: ada has {i} red keys and gives {i % 3} away."} for i in range(40)]
-    (tmp_path / "records").write_bytes(encode_records(records))
-    model = {"recipe": "hf-causal-lm", "model_dir": str(tiny_llama), "method": "full", "seq_len": 16}
-    recipes.prepare({"model": model, "data_path": str(tmp_path / "records"), "seed": 5,
-                     "out_path": str(tmp_path / "base.safetensors")})
-    req = {"model": model, "base_path": str(tmp_path / "base.safetensors"), "data_path": str(tmp_path / "records"),
-           "shard_ranges": [[0, len(records)]], "steps": 3, "batch_size": 4, "seed": 9,
-           "adamw": {"lr": 1e-3, "weight_decay": 0.0}, "log_every": 1}
-    one_reply, one = train(tmp_path, req, 1, "one")
-    two_reply, two = train(tmp_path, req, 2, "two", shard=True)
-    _, half = train(tmp_path, {**req, "batch_size": 2}, 1, "half")
-    assert_same_update(one, two, half)
-    assert two_reply["device"] == "cpu x2 sharded" and two_reply["samples"] == one_reply["samples"] == 12

@@ -42,10 +42,10 @@ def wait_for(predicate, timeout_s: float, what: str, swarm: Swarm) -> None:
         time.sleep(0.2)
 
 
-def started(swarm: Swarm, rounds: int, inner_steps: int = 6, min_members: int = 3) -> TaskRun:
+def started(swarm: Swarm, rounds: int, inner_steps: int = 6, min_members: int = 3, **fields) -> TaskRun:
     swarm.start(watch_interval_s=0.3)
     wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
-    run = TaskRun(swarm, tiny_fields(rounds, inner_steps, min_members))
+    run = TaskRun(swarm, {**tiny_fields(rounds, inner_steps, min_members), **fields})
     swarm.task_id = run.publish()
     return run
 
@@ -192,10 +192,7 @@ def test_with_overlap_members_train_through_the_exchange_and_still_agree(tmp_pat
     into the next round; the updates keep their base and size, so the weights agree and receipts count a round."""
     swarm = Swarm(3, tmp_path, env=ENV)
     try:
-        swarm.start(watch_interval_s=0.3)
-        wait_for(swarm.all_see_all, 60, "every node sees the others", swarm)
-        run = TaskRun(swarm, {**tiny_fields(6, inner_steps=60), "overlap": 1.0})
-        swarm.task_id = run.publish()
+        run = started(swarm, rounds=6, inner_steps=60, overlap=1.0)
         wait_for(run.done, 180, "every node finishes", swarm)
         run.collect()
     finally:
