@@ -100,6 +100,8 @@ class TaskRunner:
         self._bytes_at_start = (0, 0)
         self._round_started: dict[int, float] = {}
         self._round_train_s: dict[int, float] = {}
+        self._round_ahead: dict[int, int] = {}
+        """Per round, the inner steps taken during the previous round's exchange (task option overlap)."""
         self._eval: dict[int, float | None] = {}
         self._history_lock = trio.Lock()
         self.ledger = Ledger(directory, node.keypair, tid, spec.aggregation_shards)
@@ -450,6 +452,8 @@ class TaskRunner:
         """Train from θ_r, then publish Δ's int8 slices over SHARDCAST."""
         result = await self._train(job.round, list(job.members))
         self._round_train_s[job.round] = result.seconds
+        if result.carried_steps:
+            self._round_ahead[job.round] = result.carried_steps
         self.train_s += result.seconds
         ids = await self.exchange.publish_update(Path(result.out_path), job.round)
         return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
@@ -540,6 +544,7 @@ class TaskRunner:
                                "peers_agreeing": e.num_agree if e.agreed else None,
                                "eval_loss": None if eval_loss is None else round(eval_loss, 4), "members": e.members,
                                "round_s": round(round_s, 2), "train_s": round(self._round_train_s.pop(e.round, 0.0), 2),
+                               **({"steps_ahead": ahead} if (ahead := self._round_ahead.pop(e.round, 0)) else {}),
                                # Wall time, so rounds closed on different nodes (or incarnations) line up.
                                "closed_at": round(time.time(), 3), **({"failed": True} if e.failed else {})})
         self._record_history()

@@ -207,5 +207,8 @@ def test_with_overlap_members_train_through_the_exchange_and_still_agree(tmp_pat
         # Rounds 1..5 each start from steps taken during the previous round's exchange.
         assert log.count("steps taken during the last exchange carried into this round") >= 4, log[-3000:]
     first = swarm.nodes[0]
+    ahead = [a.get("steps_ahead", 0) for a in first.status["task"]["agreement"]]
+    # The status shows it per round: none in round 0, at most a round's steps after.
+    assert ahead[0] == 0 and sum(x > 0 for x in ahead[1:]) >= 4 and max(ahead) <= 60, ahead
     receipts = ledger_by_round(first, run.task_id)
     assert all(x.samples == 60 * 8 for r in receipts.values() for x in r), receipts
