@@ -140,6 +140,7 @@ def _rank_main(rank: int, world: int, backend: str, init_file: str, job: Callabl
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no rank tears the group down while another may still use it
     finally:
         dist.destroy_process_group()
 
