@@ -102,3 +102,50 @@ def test_a_rank_that_fails_fails_the_request_with_its_reason(tmp_path):
            "seed": 1}
     with pytest.raises(Exception, match="missing.safetensors"):
         train(tmp_path, req, 2, "bad")
+
+
+def _probe(ranks, fail_on: int = -1) -> dict:
+    """A job for the pool: every rank's pid, gathered over the group; rank ``fail_on`` raises."""
+    import os
+
+    import torch.distributed as dist
+    if ranks.rank == fail_on:
+        raise ValueError(f"rank {ranks.rank} was told to fail")
+    pids = [None] * ranks.world
+    dist.all_gather_object(pids, os.getpid())
+    return {"pids": pids}
+
+
+def test_the_rank_processes_are_kept_between_requests_and_replaced_when_one_fails_or_dies():
+    import functools
+    import os
+    import signal
+    import time
+
+    from node.train import ranks as ranks_mod
+    ranks_mod.close_ranks()
+    first = ranks_mod.run_ranks(2, _probe, cuda=False)["pids"]
+    assert ranks_mod.run_ranks(2, _probe, cuda=False)["pids"] == first  # the same processes, the group set up once
+    with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*told to fail"):
+        ranks_mod.run_ranks(2, functools.partial(_probe, fail_on=1), cuda=False)
+    assert not any(_alive(p) for p in first)  # a failed job closes the pool
+    second = ranks_mod.run_ranks(2, _probe, cuda=False)["pids"]
+    assert set(second).isdisjoint(first)
+    os.kill(second[1], signal.SIGKILL)  # a rank that dies between requests
+    deadline = time.monotonic() + 10
+    # Until its last thread has exited (a zombie leader with threads still going is not reaped yet).
+    while ranks_mod._pool.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    third = ranks_mod.run_ranks(2, _probe, cuda=False)["pids"]
+    assert set(third).isdisjoint(second) and not _alive(second[0])
+    ranks_mod.close_ranks()
+    assert not any(_alive(p) for p in third)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (reaping it here would hide its death from multiprocessing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
