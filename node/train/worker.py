@@ -21,11 +21,11 @@ the file exists and written back after training, so a peer's inner optimizer car
 rounds. Shard ranges are byte ranges of data_path, concatenated in the order given.
 
 With "overlap" (a number of steps), the worker keeps training on the same data after it replies,
-until the next request arrives or that many steps are taken (the round's exchange runs meanwhile). A train request
-with "carry" for the same optimizer state and model moves those steps onto its base (θ_local ←
-base + (θ_local − where they started)) and takes only the rest of its
-steps; its reply counts the carried steps, their losses and their seconds. Without "carry", or
-after a restart, they are dropped and the round trains from its base as usual.
+until the next request arrives or that many steps are taken (the round's exchange runs meanwhile).
+A train request with "carry" for the same optimizer state, model and batch moves those steps onto
+its base (θ_local ← base + (θ_local − where they started)) and takes only the rest of its steps;
+its reply counts the carried steps, their losses and their seconds. Without "carry", or after a
+restart, they are dropped and the round trains from its base as usual.
 
 A request that fails gets {"ok": false, "error": "<Type>: <message>"} and the worker keeps
 serving. EOF on stdin at a frame boundary exits 0. Progress lines go to stderr.
@@ -173,8 +173,8 @@ def _train(req: dict, device, ranks) -> dict:
     out_path = _field(req, "out_path", str)
     batch_size = _field(req, "batch_size", int)
     if carry is not None and not (req.get("carry") is True and ranks is None and carry.key == (opt_path, config)
-                                  and carry.batch_size == batch_size):
-        carry = None
+                                  and carry.batch_size == batch_size and carry.steps <= steps):
+        carry = None  # another task's, or more steps than this round may claim: trained from its base as usual
     if carry is not None:
         loop = carry.loop
         loop.rebase(base, carry.sent)
