@@ -24,7 +24,9 @@ KNOWN_DATASETS = ("stdlib-corpus", "published")
 KNOWN_METHODS = ("full", "lora")
 MAX_TARGET_MODULES = 32
 MAX_PIN_CHARS = 64
-KNOWN_COMPRESSIONS = ("int8", "int4", "int2")
+KNOWN_COMPRESSIONS = ("int8", "int4", "int2", "topk")
+AGGREGATE_COMPRESSIONS = ("int8", "int4", "int2")
+"""How aggregators may encode a slice's aggregate (block-wise; a mean of several producers is dense)."""
 KNOWN_DEVICES = ("cpu", "cuda", "any")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "centered_clip")
 SCREEN_REASONS = ("empty", "duplicate", "opposed")
@@ -220,7 +222,7 @@ class AggregationSpec:
         _need(_finite(self.spot_check) and 0 <= self.spot_check <= 1, "aggregation.spot_check must be within 0..1")
 
 
-@message(tag=24, optional_tail=("aggregation", "trainers", "overlap"))
+@message(tag=24, optional_tail=("aggregation", "trainers", "overlap", "aggregate_compression"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSpec:
     """What to train and how; its hash is the task id, the initiator's signature is on the envelope."""
@@ -260,6 +262,10 @@ class TaskSpec:
     """The most of a round's inner steps a member takes while the round's updates and aggregates are exchanged,
     as a share of ``inner_steps`` (0: none). Those steps are moved onto the round's new weights and counted in
     the member's next update, which trains only the rest (tiny-lm, one trainer process)."""
+    aggregate_compression: str = "int8"
+    """How aggregators encode each slice's aggregate (AGGREGATE_COMPRESSIONS): every node downloads every
+    aggregate, so this sets most of a round's bytes. No error feedback: the aggregate is recomputed by
+    whoever checks it, from the signed updates alone."""
 
     def __post_init__(self) -> None:
         # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
@@ -273,6 +279,8 @@ class TaskSpec:
         _need(_finite(self.outer_lr) and 0 < self.outer_lr <= 10, f"outer_lr must be in (0, 10], got {self.outer_lr}")
         _need(_finite(self.outer_momentum) and 0 <= self.outer_momentum < 1, "outer_momentum must be in [0, 1)")
         _need(self.compression in KNOWN_COMPRESSIONS, f"compression must be one of {list(KNOWN_COMPRESSIONS)}")
+        _need(self.aggregate_compression in AGGREGATE_COMPRESSIONS,
+              f"aggregate_compression must be one of {list(AGGREGATE_COMPRESSIONS)}")
         _need(1 <= self.aggregation_shards <= MAX_SLICES, f"aggregation_shards must be within 1..{MAX_SLICES}")
         _need(1 <= self.aggregators_per_shard <= 16, "aggregators_per_shard must be within 1..16")
         _need(1 <= self.rounds <= MAX_ROUNDS, f"rounds must be within 1..{MAX_ROUNDS}")
@@ -531,7 +539,8 @@ TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, D
 _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec,
         "aggregation": AggregationSpec}
 _OPTIONAL_TABLES: dict[type, set[str]] = {
-    TaskSpec: {"model", "hf", "aggregation", "trainers", "overlap"}, DatasetSpec: {"manifest", "heldout_fraction"},
+    TaskSpec: {"model", "hf", "aggregation", "trainers", "overlap", "aggregate_compression"},
+    DatasetSpec: {"manifest", "heldout_fraction"},
     Requirements: {"torch_version"}, HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
     AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check", "screen"},
 }

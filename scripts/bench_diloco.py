@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from protocol.task import AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS  # noqa: E402
 from scripts.local_swarm import READY_TIMEOUT_S, TASK_ENV, Swarm, netlab_interrupts  # noqa: E402
 from scripts.swarm_task import TaskRun, timeout_s  # noqa: E402
 
@@ -95,13 +96,18 @@ def interface_bytes(lab) -> dict[str, int]:
     return out
 
 
-def parse_arm(arm: str) -> tuple[str, float]:
-    """"int8", "int2+overlap" or "int2+overlap=0.25": the update compression and the task's overlap share."""
-    compression, _, rest = arm.partition("+")
-    if compression not in ("int8", "int4", "int2"):
-        raise ValueError(f"arm {arm!r}: the compression must be int8, int4 or int2")
+def parse_arm(arm: str) -> tuple[str, str, float]:
+    """"int8", "int2/int4", "int2+overlap" or "int2+overlap=0.25": the update compression, the aggregates'
+    (int8 unless named after a slash) and the task's overlap share."""
+    codecs, _, rest = arm.partition("+")
+    compression, _, aggregate = codecs.partition("/")
+    aggregate = aggregate or "int8"
+    if compression not in KNOWN_COMPRESSIONS:
+        raise ValueError(f"arm {arm!r}: the compression must be one of {', '.join(KNOWN_COMPRESSIONS)}")
+    if aggregate not in AGGREGATE_COMPRESSIONS:
+        raise ValueError(f"arm {arm!r}: the aggregates' compression must be one of {', '.join(AGGREGATE_COMPRESSIONS)}")
     if not rest:
-        return compression, 0.0
+        return compression, aggregate, 0.0
     name, _, share = rest.partition("=")
     if name != "overlap":
         raise ValueError(f"arm {arm!r}: after '+' only overlap[=SHARE] is known")
@@ -111,7 +117,7 @@ def parse_arm(arm: str) -> tuple[str, float]:
         raise ValueError(f"arm {arm!r}: the overlap share must be a number within 0..1") from None
     if not 0 < overlap <= 1:
         raise ValueError(f"arm {arm!r}: the overlap share must be within (0, 1]")
-    return compression, overlap
+    return compression, aggregate, overlap
 
 
 def run_swarm(setup, args, start, work_dir: Path, lab, *, arm: str) -> dict:
@@ -121,8 +127,9 @@ def run_swarm(setup, args, start, work_dir: Path, lab, *, arm: str) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     init_path = work_dir / "init.safetensors"
     save_named(init_path, start)
-    compression, overlap = parse_arm(arm)
-    fields = {**task_fields(setup, args), "compression": compression, **({"overlap": overlap} if overlap else {})}
+    compression, aggregate, overlap = parse_arm(arm)
+    fields = {**task_fields(setup, args), "compression": compression, "aggregate_compression": aggregate,
+              **({"overlap": overlap} if overlap else {})}
     swarm = Swarm(args.workers, work_dir, lab=lab, env=TASK_ENV)
     try:
         swarm.start()
@@ -195,8 +202,8 @@ def one_run(args, *, seed: int, warm: bool, work_dir: Path, lab) -> list[dict]:
     start = start_weights(setup)
     swarms = {}
     for compression in args.compressions:
-        d = swarms[compression] = run_swarm(setup, args, start, work_dir / f"{start_kind}-{seed}-{compression}", lab,
-                                            arm=compression)
+        name = f"{start_kind}-{seed}-{compression.replace('/', '_')}"
+        d = swarms[compression] = run_swarm(setup, args, start, work_dir / name, lab, arm=compression)
         log(f"  swarm, {compression}: eval loss {d['eval_loss']}, {d['bytes_per_node']:,} bytes on the busiest "
             f"node's wire, lowest training share {d['train_share_min']}")
     steps = args.rounds * args.inner_steps
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", help="comma-separated seeds (model init, data order, evaluation batches)")
     parser.add_argument("--starts", help="warm, scratch or both (comma-separated)")
     parser.add_argument("--arms", "--compressions", dest="compressions", default="int8,int2",
-                        help="the swarm arms, the candidate default last: an update compression (int8, int4, int2), "
+                        help="the swarm arms, the candidate default last: an update compression (int8, int4, int2, "
+                             "topk), optionally /AGGREGATE for the aggregates' (int8, int4, int2; int8 if left out), "
                              "with +overlap[=SHARE] for the task option overlap (SHARE of a round's steps, default 1)")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--netlab", action="store_true", help="run each node in its own network-namespace host")

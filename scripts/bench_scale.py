@@ -91,7 +91,7 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
     store = await trio.to_thread.run_sync(ShardStore.open, work_dir / "store")
     # All Exchange reads here; the plain mean, the aggregation these figures were measured with.
     spec = SimpleNamespace(aggregation_shards=slices, round_deadline_s=600.0, aggregation=AggregationSpec(),
-                           compression="int8")
+                           compression="int8", aggregate_compression="int8")
     gen = torch.Generator().manual_seed(0)
     state = compute.OuterState(round=0, weights={"w": torch.randn(num_params, generator=gen)}, outer=OuterNesterov())
     delta = {"w": torch.randn(num_params, generator=gen) * 1e-3}

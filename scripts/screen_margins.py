@@ -90,7 +90,7 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
         for s, (a, b) in enumerate(compute.slice_bounds(numel, bench.num_slices)):
             # What an aggregator sees: the int8 slices decoded, not the float updates.
             got = {p: (payloads[p][s], 1) for p in payloads}
-            decoded = {p: compute.decode_slice(payloads[p][s], b - a, 8) for p in payloads}
+            decoded = {p: compute.decode_slice(payloads[p][s], b - a) for p in payloads}
             m = margins_of_slice(decoded)
             for k in ("max_pairwise_cosine", "max_norm_ratio"):
                 if m[k] is not None:

@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError
 
 from node.fsutil import fsync_dir, write_atomic
-from node.train.compress import (CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantPayload, QuantWriter, decode_blocks,
-                                  encoded_size, tensor_bytes)
+from node.train.codecs import INT8, Codec
+from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, tensor_bytes
 from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
 from node.train.model import ModelConfig, init_model
 from protocol.errors import IntegrityError
@@ -50,12 +50,12 @@ def payload_tensor(data: bytes | bytearray) -> dict[str, torch.Tensor]:
     return {PAYLOAD: torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(0, dtype=torch.uint8)}
 
 
-def split_update(delta: Named, num_slices: int, bits: int = 8) -> list[bytearray]:
-    """Δ flattened in sorted-name order, cut into slices, each encoded at ``bits`` (chunk by chunk, no flat copy)."""
+def split_update(delta: Named, num_slices: int, codec: Codec = INT8) -> list[bytearray]:
+    """Δ flattened in sorted-name order, cut into slices, each encoded by ``codec`` (chunk by chunk, no flat copy)."""
     names = sorted(delta)
     sizes = [delta[n].numel() for n in names]
     bounds = slice_bounds(sum(sizes), num_slices)
-    writers = [QuantWriter(b - a, bits=bits) for a, b in bounds]
+    writers = [codec.writer(b - a) for a, b in bounds]
     pending = [torch.zeros(0)] * num_slices  # values waiting for a block boundary, per slice
     at = 0
     for name, n in zip(names, sizes):
@@ -68,7 +68,7 @@ def split_update(delta: Named, num_slices: int, bits: int = 8) -> list[bytearray
     return [w.out for w in writers]
 
 
-def split_with_feedback(delta: Named, num_slices: int, bits: int,
+def split_with_feedback(delta: Named, num_slices: int, codec: Codec,
                         residual: Named | None) -> tuple[list[bytearray], Named]:
     """split_update of Δ plus what quantization dropped from the previous update (error feedback), and what it
     drops from this one: the residual to add to the next. A residual whose names or shapes do not match Δ's
@@ -77,9 +77,9 @@ def split_with_feedback(delta: Named, num_slices: int, bits: int,
         residual = None
     # Fresh tensors (the sum, or a float32 copy): each becomes its own next residual, in place, one slice at a time.
     corrected = {n: delta[n].detach().to(torch.float32) + (residual[n] if residual else 0.0) for n in sorted(delta)}
-    payloads = split_update(corrected, num_slices, bits)
+    payloads = split_update(corrected, num_slices, codec)
     for data, (a, b) in zip(payloads, slice_bounds(sum(t.numel() for t in corrected.values()), num_slices)):
-        sent, at = decode_blocks(data, b - a, bits=bits), 0
+        sent, at = codec.decode(data, b - a), 0
         for t in corrected.values():
             lo, hi = max(a, at), min(b, at + t.numel())
             if lo < hi:
@@ -117,7 +117,7 @@ def save_residual(directory: Path, round_: int, residual: Named) -> None:
     save_named(directory / f"{RESIDUAL_PREFIX}{round_}.safetensors", residual, durable=False)
 
 
-def _feed(writer: QuantWriter, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
+def _feed(writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
     """Write values starting at slice offset ``lo`` (after ``pending``) in whole blocks; return what is left over."""
     if pending.numel():
         values = torch.cat([pending, values])
@@ -130,15 +130,16 @@ def _feed(writer: QuantWriter, lo: int, values: torch.Tensor, pending: torch.Ten
     return values[cut:].clone() if cut < values.numel() else torch.zeros(0)
 
 
-def payload_bytes(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int, bits: int = 8) -> bytes:
+def payload_bytes(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int, codec: Codec = INT8) -> bytes:
     """The payload of a slice manifest as bytes (see payload_view)."""
-    return tensor_bytes(payload_view(manifest, tensors, numel, bits))
+    return tensor_bytes(payload_view(manifest, tensors, numel, codec))
 
 
-def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int, bits: int = 8) -> torch.Tensor:
-    """The payload (``bits`` per value) of a slice manifest as a uint8 view, no copy; IntegrityError unless it is
+def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: int,
+                 codec: Codec = INT8) -> torch.Tensor:
+    """The payload (encoded by ``codec``) of a slice manifest as a uint8 view, no copy; IntegrityError unless it is
     exactly one tensor of the right size."""
-    expected = encoded_size(numel, bits=bits)
+    expected = codec.size(numel)
     entries = manifest.tensors
     if len(entries) != 1 or entries[0].name != PAYLOAD or entries[0].dtype != "uint8" \
             or entries[0].shape != (expected,):
@@ -147,50 +148,51 @@ def payload_view(manifest: Manifest, tensors: dict[str, torch.Tensor], numel: in
     return tensors[PAYLOAD]
 
 
-def decode_slice(data, numel: int, bits: int = 8) -> torch.Tensor:
+def decode_slice(data, numel: int, codec: Codec = INT8) -> torch.Tensor:
     try:
-        return decode_blocks(data, numel, bits=bits)
+        return codec.decode(data, numel)
     except ValueError as exc:
-        raise IntegrityError(f"bad int{bits} slice: {exc}") from None
+        raise IntegrityError(f"bad {codec.name} slice: {exc}") from None
 
 
-def _open_slice(data, numel: int) -> QuantPayload:
+def _open_slice(data, numel: int, codec: Codec = INT8):
     try:
-        return QuantPayload(data, numel)
+        return codec.open(data, numel)
     except ValueError as exc:
-        raise IntegrityError(f"bad int8 slice: {exc}") from None
+        raise IntegrityError(f"bad {codec.name} aggregate: {exc}") from None
 
 
-def aggregate(slices: dict[str, tuple[bytes, int]], numel: int, bits: int = 8) -> tuple[bytearray, str, list[str]]:
+def aggregate(slices: dict[str, tuple[bytes, int]], numel: int, codec: Codec = INT8,
+              out: Codec = INT8) -> tuple[bytearray, str, list[str]]:
     """aggregate_payload, and the sha256 of the result."""
-    out, bad = aggregate_payload(slices, numel, bits)
-    return out, hashlib.sha256(out).hexdigest(), bad
+    data, bad = aggregate_payload(slices, numel, codec, out)
+    return data, hashlib.sha256(data).hexdigest(), bad
 
 
-def open_slices(slices: dict, numel: int, bits: int = 8) -> tuple[dict[str, QuantPayload], list[str]]:
-    """Each producer's slice (``bits`` per value) opened in sorted producer order, and the producers whose slice
+def open_slices(slices: dict, numel: int, codec: Codec = INT8) -> tuple[dict, list[str]]:
+    """Each producer's slice (encoded by ``codec``) opened in sorted producer order, and the producers whose slice
     does not decode."""
     views, bad = {}, []
     for peer in sorted(slices):
         try:
-            views[peer] = QuantPayload(slices[peer][0], numel, bits=bits)
+            views[peer] = codec.open(slices[peer][0], numel)
         except ValueError:
             bad.append(peer)
     return views, bad
 
 
-def aggregate_payload(slices: dict, numel: int, bits: int = 8) -> tuple[bytearray, list[str]]:
-    """Weighted mean (by samples, sorted producer order) of the producers' slices (``bits`` per value), always
-    int8-encoded, and the producers whose slice did not decode (left out). Streams: chunk by chunk, each
+def aggregate_payload(slices: dict, numel: int, codec: Codec = INT8, out: Codec = INT8) -> tuple[bytearray, list[str]]:
+    """Weighted mean (by samples, sorted producer order) of the producers' slices (encoded by ``codec``), encoded
+    by ``out``, and the producers whose slice did not decode (left out). Streams: chunk by chunk, each
     producer's bytes decoded into one scratch buffer and added in, with the same operations in the same order
     as diloco.weighted_mean (zeros, then acc + decoded * w per producer), so every aggregator computes the same
     bits; nothing whole-slice in fp32."""
-    views, bad = open_slices(slices, numel, bits)
+    views, bad = open_slices(slices, numel, codec)
     if not views:
         raise IntegrityError("no slice decoded")
     total = math.fsum(float(slices[p][1]) for p in views)
     weights = {p: torch.tensor(float(slices[p][1]) / total, dtype=torch.float32) for p in views}
-    writer = QuantWriter(numel)
+    writer = out.writer(numel)
     step = CHUNK_BLOCKS * writer.block_size
     acc = torch.empty(min(step, numel), dtype=torch.float32)
     scratch = torch.empty((CHUNK_BLOCKS + 2) * writer.block_size, dtype=torch.float32)
@@ -255,7 +257,7 @@ def new_state(spec: TaskSpec) -> OuterState:
                       outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
 
 
-def apply_aggregates(state: OuterState, payloads: list, work: int) -> OuterState:
+def apply_aggregates(state: OuterState, payloads: list, work: int, codec: Codec = INT8) -> OuterState:
     """θ_{r+1} from the chosen aggregate of every slice, through the outer Nesterov step of OuterNesterov.step,
     chunk by chunk: each aggregate decoded straight into the step, new tensors written once, θ_r left whole.
 
@@ -264,7 +266,7 @@ def apply_aggregates(state: OuterState, payloads: list, work: int) -> OuterState
     names = sorted(state.weights)
     numel = sum(state.weights[n].numel() for n in names)
     bounds = slice_bounds(numel, len(payloads))
-    views = [_open_slice(p, b - a) for p, (a, b) in zip(payloads, bounds)]
+    views = [_open_slice(p, b - a, codec) for p, (a, b) in zip(payloads, bounds)]
     lr = torch.tensor(state.outer.lr, dtype=torch.float32)
     mu = torch.tensor(state.outer.momentum, dtype=torch.float32)
     step = CHUNK_BLOCKS * DEFAULT_BLOCK_SIZE

@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from node.tasks import compute, robust
-from node.train.compress import BITS
+from node.train.codecs import CODECS, INT8, Codec
 from node.train.diloco import load_named
 from protocol.audit import UNDECODABLE, Verified, Verify
 from protocol.envelope import seal
@@ -48,8 +48,10 @@ class Exchange:
                  penalize: Callable[[str, str], None], num_params: Callable[[], int],
                  banned: Callable[[str], bool] = lambda peer: False):
         self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
-        self.bits = BITS[spec.compression]
-        """Bits per value of the producers' slices; aggregates are always int8."""
+        self.codec = CODECS[spec.compression]
+        """How the producers' slices are encoded."""
+        self.out = CODECS[spec.aggregate_compression]
+        """How the aggregates are encoded (block-wise: int8 unless the task says otherwise)."""
         self.num_params = num_params
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize, self.banned = keypair.peer_id, keypair, penalize, banned
@@ -93,11 +95,11 @@ class Exchange:
         return manifest, tensors
 
     async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float, *,
-                             kept: dict[int, set[bytes]], round_: int, bits: int = 8):
+                             kept: dict[int, set[bytes]], round_: int, codec: Codec = INT8):
         """(manifest, the payload as a uint8 view), remembered under ``round_`` in ``kept`` for release."""
         kept.setdefault(round_, set()).add(bytes.fromhex(manifest_hex))
         manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False)
-        return manifest, compute.payload_view(manifest, tensors, numel, bits)
+        return manifest, compute.payload_view(manifest, tensors, numel, codec)
 
     def _slice_numel(self, slice_index: int) -> int:
         a, b = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)[slice_index]
@@ -115,13 +117,13 @@ class Exchange:
 
     async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
         """The trainer's Δ for ``round_``, encoded slice by slice at the task's compression and published: one
-        manifest id per slice. Below 8 bits, with error feedback: what quantization dropped from this node's
-        last update is added to this one, and what it drops now is kept (on disk) for the next."""
+        manifest id per slice. Below 8 bits (top-k included), with error feedback: what the codec dropped from
+        this node's last update is added to this one, and what it drops now is kept (on disk) for the next."""
         delta = await trio.to_thread.run_sync(load_named, delta_path)
-        if self.bits < 8:
+        if self.codec.bits < 8:
             residual = await trio.to_thread.run_sync(compute.load_residual, self.dir, round_)
             payloads, residual = await trio.to_thread.run_sync(
-                compute.split_with_feedback, delta, self.spec.aggregation_shards, self.bits, residual)
+                compute.split_with_feedback, delta, self.spec.aggregation_shards, self.codec, residual)
             await trio.to_thread.run_sync(compute.save_residual, self.dir, round_, residual)
         else:
             payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
@@ -177,7 +179,7 @@ class Exchange:
             try:
                 manifest, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
                                                            deadline_s, kept=self._slices, round_=job.round,
-                                                           bits=self.bits)
+                                                           codec=self.codec)
                 got[update.producer] = (data, update.samples)
                 sources[update.producer] = manifest
             except RemoteProtocolError as exc:
@@ -199,7 +201,8 @@ class Exchange:
         screened: dict[str, str] = {}
         try:
             # Decoded once, here, where it is combined: a slice that does not decode is its producer's fault.
-            out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.bits)
+            out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.codec,
+                                                self.out)
             data, bad, screened = out.data, out.bad, out.screened
         except IntegrityError as exc:
             log.warning("task %s round %d: slice %d not aggregated: %s", self.tid[:12], job.round, job.slice, exc)
@@ -221,7 +224,7 @@ class Exchange:
             # above already left those slices out, but a plain mean that overflowed took the robust path,
             # which the listed slices alone would not take.
             data, _ = await trio.to_thread.run_sync(robust.aggregate_slice, {p: got[p] for p in included}, numel,
-                                                    self.spec.aggregation, self.bits)
+                                                    self.spec.aggregation, self.codec, self.out)
         m = await self._publish_payload(data, f"task/{self.tid[:12]}/r{job.round}/a{job.slice}")
         self._aggregates.setdefault(job.round, set()).add(manifest_id(m))
         by_producer = {u.producer: u for u in job.updates}
@@ -249,7 +252,7 @@ class Exchange:
         async def one(item) -> None:
             try:
                 manifest, data = await self._fetch_payload(item.manifest_id, item.producer, numel, deadline_s,
-                                                           kept=self._slices, round_=job.round, bits=self.bits)
+                                                           kept=self._slices, round_=job.round, codec=self.codec)
                 if manifest.label != label:
                     raise IntegrityError(f"{item.manifest_id[:16]} is labelled {manifest.label!r}, not {label!r}")
                 got[item.producer] = (data, item.samples or 1)
@@ -274,7 +277,8 @@ class Exchange:
         if job.screened:
             claimed = {i.producer: why for i, why in job.screened}
             try:
-                out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.bits)
+                out = await trio.to_thread.run_sync(robust.combine, got, numel, self.spec.aggregation, self.codec,
+                                                self.out)
             except IntegrityError:
                 return Verified(key=job.key, result_hash=UNDECODABLE)
             if out.bad or out.screened != claimed or out.data is None:
@@ -288,7 +292,7 @@ class Exchange:
                 # A listed slice that is left out (it does not decode, or the screen drops it) is one no honest
                 # aggregator lists.
                 data, left_out = await trio.to_thread.run_sync(robust.aggregate_slice, got, numel,
-                                                               self.spec.aggregation, self.bits)
+                                                               self.spec.aggregation, self.codec, self.out)
             except IntegrityError:
                 left_out = list(got)
             if left_out:
@@ -321,7 +325,7 @@ class Exchange:
                 try:
                     manifest, data = await self._fetch_payload(
                         candidate.manifest_id, candidate.aggregator, self._slice_numel(chosen.slice),
-                        self.spec.round_deadline_s, kept=self._aggregates, round_=job.round)
+                        self.spec.round_deadline_s, kept=self._aggregates, round_=job.round, codec=self.out)
                     # The store verified every shard on arrival; this checks the aggregator's claim.
                     if payload_hash(manifest, data) != chosen.result_hash:
                         raise IntegrityError("aggregate does not match its announced hash")
@@ -341,7 +345,7 @@ class Exchange:
             log.warning("task %s round %d: an aggregate could not be fetched", self.tid[:12], job.round)
             return kept
         new = await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads,
-                                            state.work + round_work(job.chosen))
+                                            state.work + round_work(job.chosen), self.out)
         await self.collect(job.round)
         return new
 

@@ -1,6 +1,6 @@
 """Robust aggregation of one slice: a norm bound, trimmed mean, coordinate-wise median, centered clipping.
 
-Every rule streams over the producers' slices (8, 4 or 2 bits a value) chunk by chunk, like
+Every rule streams over the producers' slices (8, 4 or 2 bits a value, or top-k) chunk by chunk, like
 compute.aggregate_payload: a chunk of each producer is decoded, combined and written; nothing
 whole-slice is kept per producer (centered clipping keeps one whole-slice center). Every node must
 compute the same bits, so: producers in sorted order, CPU float32, sums of a chunk's rows added one
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from node.tasks import compute
-from node.train.compress import QuantPayload, QuantWriter
+from node.train.codecs import INT8, Codec
+from node.train.compress import QuantPayload
 from protocol.errors import IntegrityError
 from protocol.task import AggregationSpec
 
@@ -54,7 +55,7 @@ MAX_PAIRWISE = 32
 @dataclass
 class Combined:
     data: bytearray | None
-    """The aggregate, int8-encoded; None when the screen left nobody in."""
+    """The aggregate, encoded by the task's aggregate codec; None when the screen left nobody in."""
     bad: list[str]
     """Producers whose slice did not decode or whose norm is past MAX_NORM: their fault, charged."""
     screened: dict[str, str]
@@ -62,26 +63,27 @@ class Combined:
 
 
 def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN,
-                    bits: int = 8) -> tuple[bytearray, list[str]]:
+                    codec: Codec = INT8, out: Codec = INT8) -> tuple[bytearray, list[str]]:
     """The slice's aggregate under ``spec`` and every producer left out (sorted): ``combine`` for callers
     that need not tell a bad slice from a screened one."""
-    out = combine(slices, numel, spec, bits)
-    if out.data is None:
+    got = combine(slices, numel, spec, codec, out)
+    if got.data is None:
         raise IntegrityError("every slice was screened out")
-    return out.data, sorted([*out.bad, *out.screened])
+    return got.data, sorted([*got.bad, *got.screened])
 
 
-def combine(slices: dict, numel: int, spec: AggregationSpec = PLAIN, bits: int = 8) -> Combined:
-    """The slice's aggregate under ``spec`` of the producers' slices (``bits`` per value), int8-encoded, with the
-    producers left out: those whose slice did not decode or whose norm is past MAX_NORM, and those the screen
-    left out; IntegrityError when no slice decoded."""
+def combine(slices: dict, numel: int, spec: AggregationSpec = PLAIN, codec: Codec = INT8,
+            out: Codec = INT8) -> Combined:
+    """The slice's aggregate under ``spec`` of the producers' slices (encoded by ``codec``), encoded by ``out``,
+    with the producers left out: those whose slice did not decode or whose norm is past MAX_NORM, and those the
+    screen left out; IntegrityError when no slice decoded."""
     if spec.rule == "mean" and spec.norm_bound == 0 and not spec.screen:
         try:
-            data, bad = compute.aggregate_payload(slices, numel, bits)
+            data, bad = compute.aggregate_payload(slices, numel, codec, out)
             return Combined(data, bad, {})
         except ValueError:
             pass  # the mean overflowed float32: below, the slices past MAX_NORM are left out and blamed
-    views, bad = compute.open_slices(slices, numel, bits)
+    views, bad = compute.open_slices(slices, numel, codec)
     norms = {p: _norm(v, numel) for p, v in views.items()}
     for peer in [p for p, n in norms.items() if not n <= MAX_NORM]:
         bad.append(peer)
@@ -94,7 +96,7 @@ def combine(slices: dict, numel: int, spec: AggregationSpec = PLAIN, bits: int =
         return Combined(None, bad, screened)
     if not views:
         raise IntegrityError("no slice decoded")
-    agg = _Slices(views, numel, _bound_scales(norms, spec.norm_bound))
+    agg = _Slices(views, numel, _bound_scales(norms, spec.norm_bound), out)
     if spec.rule == "mean":
         total = math.fsum(float(slices[p][1]) for p in views)
         weights = [torch.tensor(float(slices[p][1]) / total, dtype=torch.float32) for p in views]
@@ -246,8 +248,8 @@ def _bound_scales(norms: dict[str, float], bound: float) -> list[torch.Tensor | 
 class _Slices:
     """The producers' slices (sorted), norm-bounded, decoded a chunk at a time into one [producers, chunk] stack."""
 
-    def __init__(self, views: dict[str, QuantPayload], numel: int, scales: list[torch.Tensor | None]):
-        self.views, self.numel, self.scales = list(views.values()), numel, scales
+    def __init__(self, views: dict, numel: int, scales: list[torch.Tensor | None], out: Codec = INT8):
+        self.views, self.numel, self.scales, self.out = list(views.values()), numel, scales, out
         bs = self.views[0].block_size
         blocks = max(1, min(compute.CHUNK_BLOCKS, STACK_VALUES // (bs * len(self.views))))
         self.step = blocks * bs
@@ -266,7 +268,7 @@ class _Slices:
             yield lo, hi, stack
 
     def write(self, combine) -> bytearray:
-        writer = QuantWriter(self.numel)
+        writer = self.out.writer(self.numel)
         for lo, hi, stack in self.chunks():
             writer.write(lo, combine(lo, hi, stack))
         return writer.out

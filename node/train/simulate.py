@@ -21,15 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from node.train.compress import ErrorFeedback, decode_int8, encode_int8
+from node.train.codecs import CODECS
 from node.train.data import DEFAULT_CORPUS_BYTES, build_corpus, derive_seed, split_corpus
 from node.train.diloco import Named, OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
 from node.train.inner import AdamWConfig, InnerLoop, evaluate, train_inner
 from node.train.model import ModelConfig, init_model, num_params
 from protocol.rendezvous import assign_shards
+from protocol.task import AGGREGATE_COMPRESSIONS
 
 TASK_ID = "simulate"
-COMPRESSIONS = ("int8", "none")
+COMPRESSIONS = (*CODECS, "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +127,7 @@ def run_diloco(
     rounds: int,
     inner_steps: int,
     compression: str = "int8",
+    aggregate: str = "int8",
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     error_feedback: bool = False,
@@ -133,8 +135,8 @@ def run_diloco(
     overlap: str = "none",
     ahead: float = 0.9,
 ) -> SimResult:
-    """DiLoCo rounds as the swarm runs them; bytes per node ~ 2x the compressed update per round
-    (reduce-scatter of each node's update to the shard aggregators, all-gather of the mean).
+    """DiLoCo rounds as the swarm runs them; bytes per node: one node's compressed update and its share of the
+    mean, encoded by ``aggregate`` (reduce-scatter of each update to the aggregators, all-gather of the mean).
 
     With ``overlap`` (OVERLAPS) each worker takes ``ahead`` of a round's steps after sending its update, as
     if the exchange ran meanwhile, and rebases them onto the next round's weights (node/train/worker.py),
@@ -143,6 +145,8 @@ def run_diloco(
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
+    if aggregate not in AGGREGATE_COMPRESSIONS:
+        raise ValueError(f"aggregate must be one of {AGGREGATE_COMPRESSIONS}, got {aggregate!r}")
     t0 = time.monotonic()
     shards, heldout = _data(setup)
     theta = start if start is not None else start_weights(setup)
@@ -150,7 +154,9 @@ def run_diloco(
     peers = [f"peer-{i}" for i in range(workers)]
     loops: dict[str, InnerLoop] = {}
     carried: dict[str, tuple[Named, int]] = {}
-    feedback = {peer: ErrorFeedback() for peer in peers}
+    codec, out = CODECS.get(compression), CODECS[aggregate]
+    residuals: dict[str, torch.Tensor] = {}
+    up = 0
     samples = sent = 0
     steps_ahead = min(inner_steps, round(ahead * inner_steps)) if overlap != "none" else 0
     last_mean = None
@@ -184,15 +190,21 @@ def run_diloco(
                 for _ in range(steps_ahead):
                     loop.step()
                 carried[peer] = (ahead_from, steps_ahead)
-            if compression == "int8":
-                payload = feedback[peer].encode("delta", delta) if error_feedback else encode_int8(delta)
-                delta = decode_int8(payload, delta.numel())
+            if codec is not None:  # below 8 bits a node always keeps a residual (node/tasks/exchange.py)
+                feedback = error_feedback or codec.bits < 8
+                corrected = delta + residuals[peer] if feedback and peer in residuals else delta
+                payload = codec.encode(corrected)
+                delta = codec.decode(payload, corrected.numel())
+                if feedback:
+                    residuals[peer] = corrected - delta
+                up += len(payload)
             updates[peer] = ({"delta": delta}, inner_steps * setup.batch_size)
         mean = weighted_mean_by_peer(updates)["delta"]
-        if compression == "int8":
-            payload = encode_int8(mean)  # aggregators ship the mean compressed too
-            mean = decode_int8(payload, mean.numel())
-            sent += 2 * len(payload)
+        if codec is not None:  # aggregators ship the mean encoded by the task's aggregate codec
+            payload = out.encode(mean)
+            mean = out.decode(payload, mean.numel())
+            sent += up // workers + len(payload)
+            up = 0
         else:
             sent += 2 * 4 * mean.numel()
         theta = outer.step(theta, unflatten(mean, layout))
@@ -243,6 +255,7 @@ def main() -> None:
     parser.add_argument("--num-shards", type=int, default=64)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--compression", choices=COMPRESSIONS, default="int8")
+    parser.add_argument("--aggregate", choices=AGGREGATE_COMPRESSIONS, default="int8")
     parser.add_argument("--error-feedback", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--overlap", choices=OVERLAPS, default="none")
@@ -258,8 +271,8 @@ def main() -> None:
     print(f"params {num_params(init_model(model, 0))}  {dataclasses.asdict(setup)}")
     results = compare(
         setup, workers=args.workers, rounds=args.rounds, inner_steps=args.inner_steps,
-        compression=args.compression, outer_lr=args.outer_lr, error_feedback=args.error_feedback,
-        overlap=args.overlap, ahead=args.ahead,
+        compression=args.compression, aggregate=args.aggregate, outer_lr=args.outer_lr,
+        error_feedback=args.error_feedback, overlap=args.overlap, ahead=args.ahead,
     )
     for r in results:
         print(f"{r.name:12s} loss {r.eval_loss:.4f}  samples {r.samples}  bytes/node {r.bytes_per_node:,}  {r.seconds:.1f}s")

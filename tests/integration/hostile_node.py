@@ -24,7 +24,7 @@ import torch
 from node import cli
 from node.tasks import compute
 from node.tasks.exchange import Exchange
-from node.train.compress import encode_blocks, encode_int8
+from node.train.compress import encode_int8
 from protocol.audit import Audit
 from protocol import task_machine
 
@@ -43,15 +43,15 @@ _noise = torch.Generator().manual_seed(7)
 def _update(self, data, slice_index: int):
     numel = self._slice_numel(slice_index)
     if ATTACK == "zeros":
-        return encode_blocks(torch.zeros(numel), bits=self.bits)
+        return self.codec.encode(torch.zeros(numel))
     if ATTACK == "stale":
         return _first.setdefault(slice_index, bytearray(data))
-    x = compute.decode_slice(data, numel, self.bits)
+    x = compute.decode_slice(data, numel, self.codec)
     if ATTACK == "sign_flip":
-        return encode_blocks(-10.0 * x, bits=self.bits)
+        return self.codec.encode(-10.0 * x)
     if ATTACK == "gaussian":
         rms = float(x.square().mean().sqrt())
-        return encode_blocks(x + torch.randn(numel, generator=_noise) * (10.0 * rms), bits=self.bits)
+        return self.codec.encode(x + torch.randn(numel, generator=_noise) * (10.0 * rms))
     return data
 
 

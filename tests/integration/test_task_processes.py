@@ -212,3 +212,25 @@ def test_with_overlap_members_train_through_the_exchange_and_still_agree(tmp_pat
     assert ahead[0] == 0 and sum(x > 0 for x in ahead[1:]) >= 4 and max(ahead) <= 60, ahead
     receipts = ledger_by_round(first, run.task_id)
     assert all(x.samples == 60 * 8 for r in receipts.values() for x in r), receipts
+
+
+@pytest.mark.timeout(240)
+def test_top_k_updates_and_int4_aggregates_train_and_every_honest_slice_counts(tmp_path):
+    """compression = topk: each slice carries 1/64 of its values; aggregate_compression = int4: aggregators
+    write, and every node reads, the mean at 4 bits. The weights agree, the screen leaves no honest producer
+    out, and the loss still falls."""
+    swarm = Swarm(3, tmp_path, env=ENV)
+    try:
+        run = started(swarm, rounds=6, inner_steps=30, compression="topk", aggregate_compression="int4")
+        wait_for(run.done, 180, "every node finishes", swarm)
+        run.collect()
+    finally:
+        swarm.stop()
+    report = run.report()
+    assert run.ok(report)[0], run.ok(report)
+    rounds = report["task"]["rounds"]
+    assert all(r["members"] == 3 for r in rounds), rounds
+    assert sum(sum(c.values()) for c in report.get("screened", {}).values()) == 0, report.get("screened")
+    assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"], [r["eval_loss"] for r in rounds]
+    for node in swarm.nodes:  # each node kept what top-k dropped for its next update
+        assert list((node.data_dir / "tasks" / run.task_id).glob("residual-r*.safetensors")), node.data_dir

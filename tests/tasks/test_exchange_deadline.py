@@ -34,7 +34,7 @@ async def test_a_producer_that_never_serves_its_slice_leaves_the_aggregate_in_ti
     numel = 1000
     exchange = offline_exchange(tmp_path, spec, numel)
 
-    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, bits=8):
+    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, codec=None):
         with trio.fail_after(timeout_s):  # as Exchange._fetch bounds every fetch
             if signer == "dead":
                 await trio.sleep_forever()  # SIGKILLed right after it announced its update
@@ -72,7 +72,7 @@ async def test_a_recomputation_matches_the_aggregate_and_refuses_a_slice_that_is
     slices = {"01" * 32: ("a", label, 0.5), "02" * 32: ("b", label, -0.25), "03" * 32: ("b", label, 0.75),
               "04" * 32: ("b", f"task/{TASK[:12]}/r3/u0", -0.25)}
 
-    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, bits=8):
+    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, codec=None):
         producer, its_label, value = slices[manifest_hex]
         if producer != signer:
             raise IntegrityError(f"manifest {manifest_hex[:16]} is not signed by {signer}")

@@ -29,7 +29,7 @@ def wired(tmp_path, monkeypatch, values: dict[str, torch.Tensor]):
     exchange = offline_exchange(tmp_path, tiny_spec(), NUMEL)
     exchange.penalize = lambda peer, why: charged.append((peer, why))
 
-    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, bits=8):
+    async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, codec=None):
         data = encode_int8(values[manifest_hex])
         return SimpleNamespace(label=f"task/{TASK[:12]}/r4/u0"), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 

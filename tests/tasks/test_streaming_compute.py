@@ -9,6 +9,7 @@ import torch
 
 from node.tasks import compute
 from node.train import compress
+from node.train.codecs import CODECS
 from node.train.compress import decode_int8, encode_int8, quantize_int8, tensor_bytes
 from node.train.diloco import OuterNesterov, flatten, save_named, unflatten, weighted_mean_by_peer, weights_hash
 from protocol.errors import IntegrityError
@@ -66,19 +67,23 @@ def test_aggregate_is_decode_then_weighted_mean_then_encode():
     assert bad2 == ["p1"] and bytes(out2) == bytes(compute.aggregate_payload(rest, numel)[0])
 
 
-def test_apply_aggregates_is_the_outer_step_bit_for_bit():
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_apply_aggregates_is_the_outer_step_bit_for_bit(name):
+    codec = CODECS[name]  # the task's aggregate_compression
     weights, layout = named(10), None
     reference = OuterNesterov(lr=0.7, momentum=0.9)
     state = compute.OuterState(round=0, weights=weights, outer=OuterNesterov(lr=0.7, momentum=0.9))
     params = weights
     for r in range(3):  # the first step starts the momentum; the later ones use it
         flat, layout = flatten(named(100 + r, 1e-3))
-        payloads = [encode_int8(flat[a:b].contiguous()) for a, b in compute.slice_bounds(flat.numel(), 4)]
-        update = unflatten(torch.cat([decode_int8(p, b - a) for p, (a, b) in
+        payloads = [codec.encode(flat[a:b].contiguous()) for a, b in compute.slice_bounds(flat.numel(), 4)]
+        update = unflatten(torch.cat([codec.decode(p, b - a) for p, (a, b) in
                                       zip(payloads, compute.slice_bounds(flat.numel(), 4))]), layout)
         params = reference.step(params, update)
         before = weights_hash(state.weights)
-        state = compute.apply_aggregates(state, payloads, work=r + 1)
+        with pytest.raises(IntegrityError, match="aggregate"):  # read with another codec: refused
+            compute.apply_aggregates(state, payloads, work=r + 1, codec=CODECS["int2" if name == "int8" else "int8"])
+        state = compute.apply_aggregates(state, payloads, work=r + 1, codec=codec)
         assert weights_hash(state.weights) == weights_hash(params)
         assert weights_hash(state.outer.buffers) == weights_hash(reference.buffers)
         assert state.round == r + 1 and state.work == r + 1
@@ -174,35 +179,55 @@ def test_a_resync_to_another_history_at_the_same_round_keeps_the_complete_one_un
     assert back.state_hash() == theirs.state_hash() and back.work == 2
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_low_bit_slices_aggregate_to_the_mean_of_their_decoded_values(bits):
+@pytest.mark.parametrize("name", ["int4", "int2", "topk"])
+def test_low_bit_slices_aggregate_to_the_mean_of_their_decoded_values(name):
+    codec = CODECS[name]
     updates = {f"p{i}": named(10 + i, scale=1e-2) for i in range(3)}
     samples = {"p0": 8, "p1": 8, "p2": 16}
-    payloads = {p: compute.split_update(d, 3, bits) for p, d in updates.items()}
+    payloads = {p: compute.split_update(d, 3, codec) for p, d in updates.items()}
     numel = sum(t.numel() for t in updates["p0"].values())
     for s, (a, b) in enumerate(compute.slice_bounds(numel, 3)):
-        got, _, bad = compute.aggregate({p: (payloads[p][s], samples[p]) for p in updates}, b - a, bits)
+        got, _, bad = compute.aggregate({p: (payloads[p][s], samples[p]) for p in updates}, b - a, codec)
         assert bad == []
-        decoded = {p: compress.decode_blocks(payloads[p][s], b - a, bits=bits) for p in updates}
+        decoded = {p: codec.decode(payloads[p][s], b - a) for p in updates}
         acc = torch.zeros(b - a)
         for p in sorted(updates):
             acc = acc + decoded[p] * torch.tensor(samples[p] / 32.0)
-        assert got == encode_int8(acc)  # the aggregate itself is int8, whatever the producers sent
+        assert got == encode_int8(acc)  # the aggregate is int8 unless the task names another, whatever was sent
+        as_int4, _, _ = compute.aggregate({p: (payloads[p][s], samples[p]) for p in updates}, b - a, codec,
+                                          CODECS["int4"])
+        assert as_int4 == CODECS["int4"].encode(acc)
         with pytest.raises(IntegrityError):
-            compute.aggregate({"p0": (payloads["p0"][s], 8)}, b - a, 8)  # read at the wrong width: refused
+            compute.aggregate({"p0": (payloads["p0"][s], 8)}, b - a)  # read as int8: refused
+
+
+def test_a_top_k_slice_that_does_not_decode_is_left_out_and_its_producer_named():
+    topk = CODECS["topk"]
+    updates = {f"p{i}": named(20 + i, scale=1e-2) for i in range(3)}
+    numel = sum(t.numel() for t in updates["p0"].values())
+    slices = {p: (compute.split_update(d, 1, topk)[0], 8) for p, d in updates.items()}
+    bad = bytearray(slices["p1"][0])
+    at = 4 * -(-numel // 4096)
+    bad[at:at + 3] = bytes([5, 0, 0])  # the first two offsets 5 and 0: not ascending
+    slices["p1"] = (bad, 8)
+    _, _, left_out = compute.aggregate(slices, numel, topk)
+    assert left_out == ["p1"]
+    with pytest.raises(IntegrityError, match="topk"):
+        compute.decode_slice(bad, numel, topk)
 
 
 def test_error_feedback_residuals_are_what_the_slices_dropped_and_a_redo_reuses_the_first_input(tmp_path):
     delta = named(3, scale=1e-2)
-    payloads, residual = compute.split_with_feedback(delta, 2, 2, None)
-    assert payloads == compute.split_update(delta, 2, 2)
-    flat = torch.cat([compress.decode_blocks(p, b - a, bits=2) for p, (a, b) in
+    int2 = CODECS["int2"]
+    payloads, residual = compute.split_with_feedback(delta, 2, int2, None)
+    assert payloads == compute.split_update(delta, 2, int2)
+    flat = torch.cat([int2.decode(p, b - a) for p, (a, b) in
                       zip(payloads, compute.slice_bounds(sum(t.numel() for t in delta.values()), 2))])
     assert torch.allclose(flatten(residual)[0], flatten(delta)[0] - flat)
     # The next update carries the residual; one for another model is ignored.
-    again, _ = compute.split_with_feedback(delta, 2, 2, residual)
-    assert again == compute.split_update({n: delta[n] + residual[n] for n in delta}, 2, 2)
-    assert compute.split_with_feedback(delta, 2, 2, {"other": torch.zeros(3)})[0] == payloads
+    again, _ = compute.split_with_feedback(delta, 2, int2, residual)
+    assert again == compute.split_update({n: delta[n] + residual[n] for n in delta}, 2, int2)
+    assert compute.split_with_feedback(delta, 2, int2, {"other": torch.zeros(3)})[0] == payloads
     # On disk: round 4's update starts from round 3's residual; redoing round 4 starts from it again.
     compute.save_residual(tmp_path, 2, named(1))
     compute.save_residual(tmp_path, 3, residual)

@@ -146,7 +146,7 @@ def test_a_spec_from_before_the_aggregation_option_keeps_its_encoding_and_id():
     spec = load_spec_toml(SPEC_TOML + LEGACY)
     assert spec.aggregation == AggregationSpec() and task_id(spec) == LEGACY_ID
     wire = msgpack.unpackb(encode(spec))
-    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - 3  # the optional fields left off at their defaults
+    assert len(wire) == 2 + len(dataclasses.fields(TaskSpec)) - len(TaskSpec.OPTIONAL_TAIL)  # left off at defaults
     assert decode(encode(spec)) == spec
 
 
@@ -156,7 +156,7 @@ def test_the_aggregation_option_travels_and_changes_the_id():
     assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05,
                                                screen=True)
     assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
-    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 2  # trainers, overlap left off
+    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 3  # trainers and after: left off
 
 
 def test_spot_checks_travel_in_the_spec_and_an_aggregation_table_from_before_them_decodes():
@@ -188,6 +188,11 @@ def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
         decode(msgpack.packb(wire))
     wire[-1] = 0.5
     assert decode(msgpack.packb(wire)).overlap == 0.5
+    wire.append("int8")  # aggregate_compression at its default: left off, never sent
+    with pytest.raises(DecodeError, match="default"):
+        decode(msgpack.packb(wire))
+    wire[-1] = "int2"
+    assert decode(msgpack.packb(wire)).aggregate_compression == "int2"
     wire.append("one too many")
     with pytest.raises(DecodeError, match="fields"):
         decode(msgpack.packb(wire))
@@ -269,3 +274,19 @@ def test_overlap_travels_in_the_spec_changes_its_id_and_is_left_off_at_zero():
 def test_a_bad_overlap_is_refused_with_the_key_named(value, match):
     with pytest.raises(ConfigError, match=match):
         load_spec_toml(SPEC_TOML.replace("[task]\n", f"[task]\noverlap = {value}\n", 1))
+
+
+def test_aggregate_compression_travels_in_the_spec_and_is_left_off_at_int8():
+    spec = load_spec_toml(SPEC_TOML.replace("[task]\n", '[task]\naggregate_compression = "int4"\n', 1))
+    assert spec.aggregate_compression == "int4" and decode(encode(spec)) == spec
+    plain = load_spec_toml(SPEC_TOML)
+    assert task_id(spec) != task_id(plain) and plain.aggregate_compression == "int8"
+    assert load_spec_toml(SPEC_TOML.replace("[task]\n", '[task]\naggregate_compression = "int8"\n', 1)) == plain
+    # The fields before it in the tail go on the wire at their defaults; at int8 the tail is cut back.
+    assert len(msgpack.unpackb(encode(plain))) == len(msgpack.unpackb(encode(spec))) - 3
+
+
+@pytest.mark.parametrize("value", ['"topk"', '"int16"', '"fp32"'])
+def test_an_aggregate_compression_aggregators_cannot_write_is_refused(value):
+    with pytest.raises(ConfigError, match=r"aggregate_compression must be one of \['int8', 'int4', 'int2'\]"):
+        load_spec_toml(SPEC_TOML.replace("[task]\n", f"[task]\naggregate_compression = {value}\n", 1))

@@ -99,5 +99,6 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_close_to_the_sum_of_the_u
 
 
 def test_the_known_compressions_are_the_ones_a_spec_may_name():
+    from node.train.codecs import CODECS
     from protocol.task import KNOWN_COMPRESSIONS
-    assert BITS == {"int8": 8, "int4": 4, "int2": 2} and set(KNOWN_COMPRESSIONS) == set(BITS)
+    assert BITS == {"int8": 8, "int4": 4, "int2": 2} and set(KNOWN_COMPRESSIONS) == set(CODECS) == {*BITS, "topk"}
