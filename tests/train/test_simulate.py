@@ -34,3 +34,16 @@ def test_overlap_trains_the_same_samples_and_a_different_path(overlap):
     assert math.isfinite(ahead.eval_loss) and ahead.eval_loss != plain.eval_loss
     with pytest.raises(ValueError, match="overlap"):
         run_diloco(SETUP, workers=2, rounds=1, inner_steps=1, overlap="sideways")
+
+
+def test_each_codec_and_aggregate_width_sends_what_its_payloads_weigh():
+    """The simulator encodes and decodes updates and means as nodes do: smaller codecs send fewer bytes, each
+    a different path; int8 updates with int8 means send the same bytes each way."""
+    runs = {(u, g): run_diloco(SETUP, workers=2, rounds=2, inner_steps=3, compression=u, aggregate=g)
+            for u, g in [("int8", "int8"), ("int4", "int4"), ("int2", "int4"), ("topk", "int8")]}
+    sent = {k: r.bytes_per_node for k, r in runs.items()}
+    assert sent[("int8", "int8")] > sent[("int4", "int4")] > sent[("int2", "int4")] > 0
+    assert sent[("topk", "int8")] < sent[("int8", "int8")]
+    assert len({r.eval_loss for r in runs.values()}) == len(runs) and all(math.isfinite(r.eval_loss) for r in runs.values())
+    with pytest.raises(ValueError, match="aggregate"):
+        run_diloco(SETUP, workers=2, rounds=1, inner_steps=1, aggregate="topk")
