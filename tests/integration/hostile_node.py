@@ -24,7 +24,6 @@ import torch
 from node import cli
 from node.tasks import compute
 from node.tasks.exchange import Exchange
-from node.train.compress import encode_int8
 from protocol.audit import Audit
 from protocol import task_machine
 
@@ -61,7 +60,7 @@ async def _hostile_publish(self, data, label):
         data = _update(self, data, int(update.group(1)))
     elif aggregate and ATTACK == "forge":
         numel = self._slice_numel(int(aggregate.group(1)))
-        data[:] = encode_int8(-10.0 * compute.decode_slice(data, numel, 8))
+        data[:] = self.out.encode(-10.0 * compute.decode_slice(data, numel, self.out))
     return await _publish(self, data, label)
 
 
