@@ -117,10 +117,10 @@ class Exchange:
 
     async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
         """The trainer's Δ for ``round_``, encoded slice by slice at the task's compression and published: one
-        manifest id per slice. Below 8 bits (top-k included), with error feedback: what the codec dropped from
+        manifest id per slice. With a codec that keeps feedback (below 8 bits, top-k): what it dropped from
         this node's last update is added to this one, and what it drops now is kept (on disk) for the next."""
         delta = await trio.to_thread.run_sync(load_named, delta_path)
-        if self.codec.bits < 8:
+        if self.codec.feedback:
             residual = await trio.to_thread.run_sync(compute.load_residual, self.dir, round_)
             payloads, residual = await trio.to_thread.run_sync(
                 compute.split_with_feedback, delta, self.spec.aggregation_shards, self.codec, residual)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from node.train import sparse
-from node.train.compress import DEFAULT_BLOCK_SIZE, QuantPayload, QuantWriter, encoded_size
+from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantPayload, QuantWriter, encode_blocks, encoded_size
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class Codec:
     def block_size(self) -> int:
         """The alignment a writer needs between runs of values."""
         return sparse.CHUNK if self.keep else DEFAULT_BLOCK_SIZE
+
+    @property
+    def feedback(self) -> bool:
+        """Whether a producer keeps what this codec drops and adds it to its next update (below 8 bits, top-k)."""
+        return self.bits < 8 or bool(self.keep)
 
     def size(self, numel: int) -> int:
         """Bytes of a payload of ``numel`` values: fixed by the codec, so a wrong length is refused unread."""
@@ -43,8 +48,10 @@ class Codec:
         return QuantPayload(data, numel, bits=self.bits)
 
     def encode(self, flat: torch.Tensor) -> bytearray:
+        if not self.keep:
+            return encode_blocks(flat, bits=self.bits)
         writer = self.writer(flat.numel())
-        step = 4096 * self.block_size
+        step = CHUNK_BLOCKS * self.block_size
         for lo in range(0, flat.numel(), step):
             writer.write(lo, flat[lo:lo + step])
         return writer.out

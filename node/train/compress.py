@@ -193,12 +193,7 @@ class QuantPayload:
             raise ValueError(f"{bits}-bit payload for {numel} values is {expected} bytes, got {len(data)}")
         self.numel, self.block_size, self.bits = numel, block_size, bits
         self.limit = qmax(bits)
-        if isinstance(data, torch.Tensor):
-            raw = data.reshape(-1).view(torch.uint8)
-        elif numel:
-            raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
-        else:
-            raw = torch.zeros(0, dtype=torch.uint8)
+        raw = byte_view(data)
         split = 4 * num_blocks(numel, block_size)
         # The scales sit at the payload's start, so an aligned buffer gives an aligned float32 view.
         self.scales = raw[:split].view(torch.float32) if split else torch.zeros(0)
@@ -238,6 +233,15 @@ class QuantPayload:
         return span[lo - b0 * bs:hi - b0 * bs]
 
 
+def byte_view(data) -> torch.Tensor:
+    """A payload as a flat uint8 tensor: a tensor as it is, bytes-like without a copy unless read-only."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    if not len(data):
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+
+
 def check_int8(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """ValueError unless decode_int8 would accept ``data``: its length, scales and values."""
     QuantPayload(data, numel, block_size)
@@ -257,19 +261,27 @@ def decode_blocks(data, numel: int, block_size: int = DEFAULT_BLOCK_SIZE, *, bit
 
 
 class ErrorFeedback:
-    """Per-parameter residuals: what quantization dropped this round is added back next round."""
+    """Per-parameter residuals: what quantization dropped this round is added back next round.
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8):
+    Block-wise at ``bits``, or through ``codec`` (anything with ``encode(flat)`` and ``decode(data, numel)``,
+    as node/train/codecs.py's)."""
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, bits: int = 8, codec=None):
         _check_bits(bits)
-        self.block_size, self.bits = block_size, bits
+        self.block_size, self.bits, self.codec = block_size, bits, codec
         self.residuals: dict[str, torch.Tensor] = {}
 
     def encode(self, name: str, flat: torch.Tensor) -> bytearray:
-        """encode_blocks(flat + residual), keeping the new residual for this name."""
+        """The payload of flat + residual, keeping the new residual for this name."""
         _check_flat(flat)
         corrected = flat + self.residuals[name] if name in self.residuals else flat
-        data = encode_blocks(corrected, self.block_size, bits=self.bits)
-        self.residuals[name] = corrected - decode_blocks(data, corrected.numel(), self.block_size, bits=self.bits)
+        if self.codec is not None:
+            data = self.codec.encode(corrected)
+            sent = self.codec.decode(data, corrected.numel())
+        else:
+            data = encode_blocks(corrected, self.block_size, bits=self.bits)
+            sent = decode_blocks(data, corrected.numel(), self.block_size, bits=self.bits)
+        self.residuals[name] = corrected - sent
         return data
 
     def state_dict(self) -> dict[str, torch.Tensor]:

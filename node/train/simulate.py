@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from node.train.codecs import CODECS
+from node.train.compress import ErrorFeedback
 from node.train.data import DEFAULT_CORPUS_BYTES, build_corpus, derive_seed, split_corpus
 from node.train.diloco import Named, OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
 from node.train.inner import AdamWConfig, InnerLoop, evaluate, train_inner
@@ -155,7 +156,8 @@ def run_diloco(
     loops: dict[str, InnerLoop] = {}
     carried: dict[str, tuple[Named, int]] = {}
     codec, out = CODECS.get(compression), CODECS[aggregate]
-    residuals: dict[str, torch.Tensor] = {}
+    feedback = {peer: ErrorFeedback(codec=codec) for peer in peers} \
+        if codec is not None and (error_feedback or codec.feedback) else None
     up = 0
     samples = sent = 0
     steps_ahead = min(inner_steps, round(ahead * inner_steps)) if overlap != "none" else 0
@@ -190,13 +192,9 @@ def run_diloco(
                 for _ in range(steps_ahead):
                     loop.step()
                 carried[peer] = (ahead_from, steps_ahead)
-            if codec is not None:  # below 8 bits a node always keeps a residual (node/tasks/exchange.py)
-                feedback = error_feedback or codec.bits < 8
-                corrected = delta + residuals[peer] if feedback and peer in residuals else delta
-                payload = codec.encode(corrected)
-                delta = codec.decode(payload, corrected.numel())
-                if feedback:
-                    residuals[peer] = corrected - delta
+            if codec is not None:  # below 8 bits and with top-k a node always keeps a residual (exchange.py)
+                payload = feedback[peer].encode("delta", delta) if feedback else codec.encode(delta)
+                delta = codec.decode(payload, delta.numel())
                 up += len(payload)
             updates[peer] = ({"delta": delta}, inner_steps * setup.batch_size)
         mean = weighted_mean_by_peer(updates)["delta"]

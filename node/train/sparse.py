@@ -5,10 +5,11 @@ largest in magnitude, quantized to ``bits`` against the chunk's kept absmax like
 (q + qmax in ``bits`` bits). Layout for n values: one float32 scale per chunk (little-endian), then every
 kept value's offset inside its chunk as 12 bits (two to three bytes, the first in the low bits; an odd
 count padded with a zero offset), chunk after chunk and ascending within a chunk, then the kept values
-``8 / bits`` to a byte in the same order. The size depends only on n, keep and bits, so a length that does not match is refused
-before anything is built. Decoding scatters q times its chunk's scale into zeros, elementwise, so every
-node gets the same bits; offsets that are not strictly ascending inside a chunk, or that fall past it,
-come from no honest encoder and are refused, as are the values one step past the range.
+``8 / bits`` to a byte in the same order. The size depends only on n, keep and bits, so a length that
+does not match is refused before anything is built. Decoding scatters q times its chunk's scale into
+zeros, elementwise, so every node gets the same bits; offsets that are not strictly ascending inside a
+chunk, or that fall past it, come from no honest encoder and are refused, as are the values one step
+past the range.
 
 Error feedback (compute.split_with_feedback) carries what the top-k and the quantization drop into the
 producer's next update, which is what makes so few values enough.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from node.train.compress import _pack, _unpack, qmax
+from node.train.compress import DEFAULT_BLOCK_SIZE, _pack, _unpack, byte_view, qmax
 
 CHUNK = 4096
 INDEX_BITS = 12
@@ -138,7 +139,7 @@ class TopkPayload:
     Holds each kept value's absolute position and decoded value (12 bytes per kept value), so a range
     decodes with two binary searches and one scatter."""
 
-    block_size = 256  # the unit callers size their scratch and chunk steps in (compress.DEFAULT_BLOCK_SIZE)
+    block_size = DEFAULT_BLOCK_SIZE  # the unit callers size their scratch and chunk steps in
 
     def __init__(self, data, numel: int, *, keep: int, bits: int):
         _check(keep, bits)
@@ -149,12 +150,7 @@ class TopkPayload:
             raise ValueError(f"top-k payload for {numel} values is {expected} bytes, got {len(data)}")
         self.numel = numel
         limit = qmax(bits)
-        if isinstance(data, torch.Tensor):
-            raw = data.reshape(-1).view(torch.uint8)
-        elif expected:
-            raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
-        else:
-            raw = torch.zeros(0, dtype=torch.uint8)
+        raw = byte_view(data)
         chunks, total = num_chunks(numel), kept_total(numel, keep)
         split = 4 * chunks
         scales = raw[:split].clone().view(torch.float32) if split else torch.zeros(0)
