@@ -167,8 +167,9 @@ def task_samples(node) -> Iterable[Sample]:
                    {**task, "reason": reason}, n)
         for reason, n in sorted(t.get("screened", {}).items()):
             yield ("shoal_task_screened_total", "counter", "Producers' slices this node's aggregations left out, "
-                   "by reason (empty: zeros; duplicate: a near copy of another's; opposed: against the median)", {**task, "reason": reason}, n)
+                   "by reason (empty: zeros; duplicate: a near copy of another's; opposed: against the median; "
+                   "outsized: many times the others' norm)", {**task, "reason": reason}, n)
         for reason, n in sorted(t.get("screened_applied", {}).items()):
             yield ("shoal_task_screened_applied_total", "counter", "Producers' slices the screen left out of the "
-                   "aggregates this node applied, by reason (empty and opposed are charged to the producer on every "
-                   "node)", {**task, "reason": reason}, n)
+                   "aggregates this node applied, by reason (all but duplicate are charged to the producer on "
+                   "every node)", {**task, "reason": reason}, n)

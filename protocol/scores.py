@@ -25,6 +25,8 @@ PENALTIES = {
     "empty_update": 30.0,
     # An update pointing against the median of the slice's others (a sign flip): rarer than noise can explain.
     "opposed_update": 20.0,
+    # An update many times larger than the slice's others (noise poured in): no honest update came close.
+    "outsized_update": 20.0,
     # Refused inside the libp2p host (p2p.guards), below our own handlers.
     "gossip_rpc_malformed": 20.0,
     "gossip_rpc_oversize": 20.0,

@@ -29,7 +29,7 @@ AGGREGATE_COMPRESSIONS = ("int8", "int4", "int2")
 """How aggregators may encode a slice's aggregate (block-wise; a mean of several producers is dense)."""
 KNOWN_DEVICES = ("cpu", "cuda", "any")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "centered_clip")
-SCREEN_REASONS = ("empty", "duplicate", "opposed")
+SCREEN_REASONS = ("empty", "duplicate", "opposed", "outsized")
 """Why the screen left a producer's slice out of an aggregate (node/tasks/robust.py ``screen``)."""
 MAX_NORM_BOUND = 100.0
 
@@ -545,8 +545,13 @@ _OPTIONAL_TABLES: dict[type, set[str]] = {
     AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check", "screen"},
 }
 """Keys a TOML spec may leave out: tables that belong to other recipes, and fields with a default."""
+TOML_COMPRESSION, TOML_AGGREGATE_COMPRESSION = "int4", "int4"
+"""A TOML spec's compressions when it names none, chosen by scripts/bench_compression.py and bench_diloco.py
+(README "Compression"): int4 updates with int4 aggregates halve int8's payload at a loss gap within the
+seeds' spread. On the wire the defaults stay int8, so specs sent before keep their ids."""
 _DEFAULTS: dict[str, Any] = {
-    "recipe": "tiny-lm", "time_budget_s": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "int8",
+    "recipe": "tiny-lm", "time_budget_s": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9,
+    "compression": TOML_COMPRESSION, "aggregate_compression": TOML_AGGREGATE_COMPRESSION,
     "aggregation_shards": 2, "aggregators_per_shard": 2, "min_members": 1, "max_members": 64, "seed": 0,
     "created_ms": 0, "round_deadline_s": 120.0, "init_manifest": "",
     "adamw": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "warmup_steps": 0},

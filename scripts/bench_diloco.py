@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int)
     parser.add_argument("--seeds", help="comma-separated seeds (model init, data order, evaluation batches)")
     parser.add_argument("--starts", help="warm, scratch or both (comma-separated)")
-    parser.add_argument("--arms", "--compressions", dest="compressions", default="int8,int2",
+    parser.add_argument("--arms", "--compressions", dest="compressions", default="int8,int4/int4",
                         help="the swarm arms, the candidate default last: an update compression (int8, int4, int2, "
                              "topk), optionally /AGGREGATE for the aggregates' (int8, int4, int2; int8 if left out), "
                              "with +overlap[=SHARE] for the task option overlap (SHARE of a round's steps, default 1)")

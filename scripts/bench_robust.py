@@ -3,9 +3,10 @@
 
 Each run is DiLoCo rounds as a swarm runs them, in one process with no nodes: honest producers train
 with node.train.inner.train_inner from a shared warm start on their rendezvous-assigned shards, every
-update goes through the real int8 slices (compute.split_update), each slice through the real
-aggregation (robust.aggregate_slice, the function an aggregator runs), and the aggregates through the
-real outer step (compute.apply_aggregates). Attackers craft their updates each round:
+update goes through the real slices of the task's compression (compute.split_update; int4 with error
+feedback by default, ``--compression`` as a spec names it), each slice through the real aggregation
+(robust.aggregate_slice, the function an aggregator runs), and the aggregates, encoded by the task's
+aggregate compression, through the real outer step (compute.apply_aggregates). Attackers craft their updates each round:
 
     sign_flip_x10  its own trained update times -10
     gaussian       its own update plus Gaussian noise of 10x its rms
@@ -43,13 +44,16 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from node.tasks import compute, robust  # noqa: E402
+from node.train.codecs import CODECS, Codec  # noqa: E402
+from node.train.compress import ErrorFeedback  # noqa: E402
 from node.train.data import derive_seed  # noqa: E402
 from node.train.diloco import OuterNesterov, flatten, pseudo_gradient, unflatten  # noqa: E402
 from node.train.inner import AdamWConfig, evaluate, train_inner  # noqa: E402
 from node.train.model import ModelConfig  # noqa: E402
 from node.train.simulate import SimSetup, _data, start_weights  # noqa: E402
 from protocol.rendezvous import assign_shards  # noqa: E402
-from protocol.task import AggregationSpec  # noqa: E402
+from protocol.task import (AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, TOML_AGGREGATE_COMPRESSION,  # noqa: E402
+                           TOML_COMPRESSION, AggregationSpec)
 
 ATTACKS = ("clean", "sign_flip_x10", "gaussian", "zeros", "stale", "alie", "ipm", "overclaim", "copy")
 NORM_BOUND = 2.0
@@ -82,6 +86,35 @@ class Bench:
     num_shards: int = 24
     eval_batches: int = 16
     corpus_bytes: int = 1 << 20
+    compression: str = "int4"
+    aggregate_compression: str = "int4"
+
+    @property
+    def codecs(self) -> tuple[Codec, Codec]:
+        return CODECS[self.compression], CODECS[self.aggregate_compression]
+
+
+def default_compression() -> str:
+    """A TOML spec's compression when it names none, as UPDATE/AGGREGATE."""
+    return f"{TOML_COMPRESSION}/{TOML_AGGREGATE_COMPRESSION}"
+
+
+def parse_compression(text: str) -> tuple[str, str]:
+    """"int4/int4" or "int8": the update compression and the aggregates' (int8 when not given)."""
+    update, _, aggregate = text.partition("/")
+    if update not in KNOWN_COMPRESSIONS or (aggregate or "int8") not in AGGREGATE_COMPRESSIONS:
+        raise ValueError(f"compression {text!r}: UPDATE of {', '.join(KNOWN_COMPRESSIONS)}, "
+                         f"optionally /AGGREGATE of {', '.join(AGGREGATE_COMPRESSIONS)}")
+    return update, aggregate or "int8"
+
+
+def encode_update(flat: torch.Tensor, layout, bench: Bench, feedback: ErrorFeedback | None) -> list[bytearray]:
+    """A producer's slices as its node sends them: below 8 bits (and with top-k) through its error feedback."""
+    codec, _ = bench.codecs
+    if feedback is None:
+        return compute.split_update(unflatten(flat, layout), bench.num_slices, codec)
+    bounds = compute.slice_bounds(flat.numel(), bench.num_slices)
+    return [feedback.encode(f"slice{s}", flat[a:b].contiguous()) for s, (a, b) in enumerate(bounds)]
 
 
 def _setup(bench: Bench, seed: int) -> SimSetup:
@@ -119,6 +152,8 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
     bad = set(peers[:attackers]) if attack != "clean" else set()
     cap = bench.inner_steps * bench.batch_size
     opt_states: dict[str, dict] = {}
+    codec, out = bench.codecs
+    feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
     first: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(derive_seed(task, "noise"))
 
@@ -169,14 +204,14 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                 raise ValueError(f"unknown attack {attack!r}")
             updates[peer] = (crafted, cap)
         try:
-            payloads = {p: compute.split_update(unflatten(flat, layout), bench.num_slices)
+            payloads = {p: encode_update(flat, layout, bench, feedback.get(p))
                         for p, (flat, _) in sorted(updates.items())}
             numel = sum(t.numel() for t in state.weights.values())
             bounds = compute.slice_bounds(numel, bench.num_slices)
             aggregates = []
             for s, (a, b) in enumerate(bounds):
                 data, left_out = robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads}, b - a,
-                                                        rule)
+                                                        rule, codec, out)
                 aggregates.append(data)
                 excluded.malicious += len(bad & set(left_out))
                 excluded.malicious_total += len(bad)
@@ -184,7 +219,7 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                 excluded.honest_total += len(payloads) - len(bad)
         except ValueError:  # an update or the aggregate went non-finite: the run diverged
             return None
-        state = compute.apply_aggregates(state, aggregates, state.work + len(updates))
+        state = compute.apply_aggregates(state, aggregates, state.work + len(updates), out)
     loss = evaluate(bench.model, state.weights, heldout, bench.eval_batches, seed=seed + 1, batch_size=16)
     return loss if math.isfinite(loss) else None
 
@@ -226,7 +261,13 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--rules", help=f"comma-separated, of {', '.join(RULES)} (the plain mean always runs, as the "
                                         "reference)")
+    parser.add_argument("--compression", default=default_compression(),
+                        help="UPDATE[/AGGREGATE] as a task spec names them (default: a TOML spec's, %(default)s)")
     args = parser.parse_args()
+    try:
+        compression, aggregate = parse_compression(args.compression)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.rules:
         chosen = ["mean", *(r for r in args.rules.split(",") if r != "mean")]
         unknown = [r for r in chosen if r not in RULES]
@@ -236,8 +277,9 @@ def main() -> None:
             del RULES[name]
     torch.set_num_threads(args.threads)
     bench = Bench(rounds=5, inner_steps=8, pretrain_steps=100) if args.quick else Bench()
-    bench = dataclasses.replace(bench, **{k: v for k, v in (("rounds", args.rounds), ("inner_steps", args.inner_steps))
-                                          if v is not None})
+    bench = dataclasses.replace(bench, compression=compression, aggregate_compression=aggregate,
+                                **{k: v for k, v in (("rounds", args.rounds), ("inner_steps", args.inner_steps))
+                                   if v is not None})
     setups = {"4x1": (4, 1)} if args.quick else {"4x1": (4, 1), "8x2": (8, 2)}
     seeds = [0] if args.quick else list(range(args.seeds))
     t0 = time.monotonic()

@@ -2,14 +2,15 @@
 """How far honest updates stay from the screen's thresholds (node/tasks/robust.py ``screen``), JSON out.
 
 Honest producers only: the demo TinyLM trained in-process as scripts/bench_robust.py trains it (rendezvous
-shards, node.train.inner, the real int8 slices), from scratch and from a warm start, for each producer count
+shards, node.train.inner, the real slices of the task's compression, int4 with error feedback unless
+``--compression`` names another), from scratch and from a warm start, for each producer count
 and inner-step count asked. Per slice and round it measures what the screen decides on:
 
     max_pairwise_cosine   the closest two producers' slices come (the screen calls 0.99 a copy)
     min_median_cosine     the lowest cosine of a producer's slice with the coordinate-wise median
                           (below 0 is "opposed")
     min_norm_ratio        the smallest norm over the median norm (at most 0.01 is "empty")
-    max_norm_ratio        the largest, for a screen of loud updates (none exists yet)
+    max_norm_ratio        the largest (at least 4 is "outsized")
 
 and reports the extreme of each over every slice, round and run, with the screen's own count of honest
 slices it left out (which must be 0).
@@ -36,12 +37,13 @@ import torch  # noqa: E402
 
 from node.tasks import compute, robust  # noqa: E402
 from node.train.data import derive_seed  # noqa: E402
-from node.train.diloco import OuterNesterov, flatten, pseudo_gradient, unflatten  # noqa: E402
+from node.train.diloco import OuterNesterov, flatten, pseudo_gradient  # noqa: E402
 from node.train.inner import train_inner  # noqa: E402
 from node.train.simulate import _data, start_weights  # noqa: E402
 from protocol.rendezvous import assign_shards  # noqa: E402
 from protocol.task import AggregationSpec  # noqa: E402
-from scripts.bench_robust import Bench, _setup  # noqa: E402
+from node.train.compress import ErrorFeedback  # noqa: E402
+from scripts.bench_robust import Bench, _setup, default_compression, encode_update, parse_compression  # noqa: E402
 
 
 SCREEN = AggregationSpec(screen=True)
@@ -72,6 +74,8 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
     state = compute.OuterState(round=0, weights=theta, outer=OuterNesterov(lr=0.7, momentum=0.9))
     task, peers = f"screen-margins-{seed}", [f"peer-{i}" for i in range(producers)]
     opt: dict[str, dict] = {}
+    codec, out = bench.codecs
+    feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
     worst = {"max_pairwise_cosine": -1.0, "min_median_cosine": 1.0, "min_norm_ratio": math.inf, "max_norm_ratio": 0.0}
     left_out = 0
     for r in range(bench.rounds):
@@ -84,13 +88,13 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
                                  opt_state=opt.get(p))
             opt[p] = result.opt_state
             flats[p], layout = flatten(pseudo_gradient(state.weights, result.weights))
-        payloads = {p: compute.split_update(unflatten(f, layout), bench.num_slices) for p, f in flats.items()}
+        payloads = {p: encode_update(f, layout, bench, feedback.get(p)) for p, f in flats.items()}
         numel = sum(t.numel() for t in state.weights.values())
         aggregates = []
         for s, (a, b) in enumerate(compute.slice_bounds(numel, bench.num_slices)):
-            # What an aggregator sees: the int8 slices decoded, not the float updates.
+            # What an aggregator sees: the slices decoded, not the float updates.
             got = {p: (payloads[p][s], 1) for p in payloads}
-            decoded = {p: compute.decode_slice(payloads[p][s], b - a) for p in payloads}
+            decoded = {p: compute.decode_slice(payloads[p][s], b - a, codec) for p in payloads}
             m = margins_of_slice(decoded)
             for k in ("max_pairwise_cosine", "max_norm_ratio"):
                 if m[k] is not None:
@@ -98,10 +102,10 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
             for k in ("min_median_cosine", "min_norm_ratio"):
                 if m[k] is not None:
                     worst[k] = min(worst[k], m[k])
-            out = robust.combine(got, b - a, SCREEN)
-            left_out += len(out.screened)
-            aggregates.append(out.data)
-        state = compute.apply_aggregates(state, aggregates, state.work + producers)
+            combined = robust.combine(got, b - a, SCREEN, codec, out)
+            left_out += len(combined.screened)
+            aggregates.append(combined.data)
+        state = compute.apply_aggregates(state, aggregates, state.work + producers, out)
     return {**{k: round(v, 4) for k, v in worst.items()}, "honest_slices_screened_out": left_out}
 
 
@@ -112,8 +116,14 @@ def main() -> None:
     parser.add_argument("--inner-steps", default="2,12")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--compression", default=default_compression(),
+                        help="UPDATE[/AGGREGATE] as a task spec names them (default: a TOML spec's, %(default)s)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    try:
+        compression, aggregate = parse_compression(args.compression)
+    except ValueError as exc:
+        parser.error(str(exc))
     producers = [4, 8] if args.quick else [int(x) for x in args.producers.split(",") if x]
     steps = [12] if args.quick else [int(x) for x in args.inner_steps.split(",") if x]
     rounds = 4 if args.quick else args.rounds
@@ -126,7 +136,8 @@ def main() -> None:
         for h in steps:
             for warm in (False, True):
                 for seed in range(seeds):
-                    bench = Bench(rounds=rounds, inner_steps=h)
+                    bench = Bench(rounds=rounds, inner_steps=h, compression=compression,
+                                  aggregate_compression=aggregate)
                     out = {"producers": n, "inner_steps": h, "start": "warm" if warm else "scratch", "seed": seed,
                            **run(bench, n, seed, warm)}
                     runs.append(out)
@@ -134,8 +145,9 @@ def main() -> None:
                           flush=True)
     report = {
         "command": " ".join(["python", "scripts/screen_margins.py", *sys.argv[1:]]),
+        "compression": f"{compression}/{aggregate}",
         "thresholds": {"duplicate_cosine": robust.DUPLICATE_COSINE, "opposed_cosine": robust.OPPOSED_COSINE,
-                       "empty_share": robust.EMPTY_SHARE},
+                       "empty_share": robust.EMPTY_SHARE, "outsized_share": robust.OUTSIZED_SHARE},
         "worst": {"max_pairwise_cosine": max(r["max_pairwise_cosine"] for r in runs),
                   "min_median_cosine": min(r["min_median_cosine"] for r in runs),
                   "min_norm_ratio": min(r["min_norm_ratio"] for r in runs),

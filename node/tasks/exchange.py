@@ -37,7 +37,8 @@ KEEP_STATES = 2
 """States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
 SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out, neither charged)",
-            "opposed": "it points against the others' median"}
+            "opposed": "it points against the others' median",
+            "outsized": "many times larger than the others (noise poured in)"}
 STATE_RETENTION_DEADLINES = 2.0
 """A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
 deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
@@ -56,7 +57,7 @@ class Exchange:
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize, self.banned = keypair.peer_id, keypair, penalize, banned
         self.screened: Counter[str] = Counter()
-        """Slices this node's aggregations left out by the screen, by reason ("empty", "duplicate", "opposed")."""
+        """Slices this node's aggregations left out by the screen, by reason (robust.screen's)."""
         self.offers: dict[str, DatasetOffer] = {}
         self._offers_changed = trio.Event()
         self._offer_path: Path | None = None

@@ -46,8 +46,13 @@ OPPOSED_COSINE = 0.0
 slice's cosine with the median was never below 0.19 (demo model: 4, 8 and 16 producers, 1 to 12 inner
 steps, from scratch and from a warm start, scripts/screen_margins.py); Gaussian noise of 10x an update's rms is
 about 0.05, so noise is left to the norm bound and the rule."""
+OUTSIZED_SHARE = 4.0
+"""A slice with a norm of at least this many times the median norm of the others is left out: noise poured
+into an update (Gaussian noise of 10x its rms is about 10x). An honest producer's norm was never above 1.6x
+the median (scripts/screen_margins.py, docs/bench/screen-margins.json); below this, the norm bound scales a
+loud slice down to the bound and the rule weighs it."""
 MIN_OPPOSED_CHECK = 3
-"""With fewer producers the median is no majority's direction."""
+"""With fewer producers the median is no majority's direction (nor the norms' median a majority's size)."""
 MAX_PAIRWISE = 32
 """Producers of a slice compared pairwise (cost: n(n-1)/2 passes over the slice)."""
 
@@ -124,6 +129,8 @@ def screen(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) 
     - "opposed": a cosine below OPPOSED_COSINE with the coordinate-wise median of the producers still in
       (a sign flip, or an update pulling against everyone else's), when at least MIN_OPPOSED_CHECK are in
       and fewer than half of them are opposed (without a majority there is no direction to oppose).
+    - "outsized": a norm of at least OUTSIZED_SHARE x the median norm (noise poured in) in a slice not
+      opposed, when at least MIN_OPPOSED_CHECK are in and fewer than half of them are that large.
 
     The whole screen runs again on the producers left until it finds nothing (once more when it found
     something: fewer producers can change the median, the norms' median, or whether copies are compared
@@ -150,16 +157,23 @@ def _screen_once(views: dict[str, QuantPayload], norms: dict[str, float], numel:
         out[p] = "duplicate"
         del live[p]
     while live:
-        limit = EMPTY_SHARE * statistics.median(live.values())
-        found = {p: "empty" for p, n in live.items() if n <= limit}
+        median = statistics.median(live.values())
+        found = {p: "empty" for p, n in live.items() if n <= EMPTY_SHARE * median}
         if not found:
             found = {p: "opposed" for p in _opposed({p: views[p] for p in sorted(live)}, live, numel)}
+        if not found:
+            found = {p: "outsized" for p in _outsized(live, median)}
         if not found:
             break
         for p, why in found.items():
             out[p] = why
             del live[p]
     return out
+
+
+def _outsized(norms: dict[str, float], median: float) -> list[str]:
+    loud = [p for p, n in norms.items() if n >= OUTSIZED_SHARE * median]
+    return loud if len(norms) >= MIN_OPPOSED_CHECK and 2 * len(loud) < len(norms) else []
 
 
 def _opposed(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) -> list[str]:

@@ -1,7 +1,8 @@
 """The update compressions a task may name, behind one interface: size, writer, view, decode.
 
 Dense block quantization at 8, 4 or 2 bits (compress.py) and chunked top-k with 4-bit values
-(sparse.py). Aggregates are always int8 (``INT8``): a mean of several producers is dense.
+(sparse.py). Aggregates are dense (int8, int4 or int2, protocol.task AGGREGATE_COMPRESSIONS): a mean of
+several producers fills every value.
 """
 
 from __future__ import annotations

@@ -120,3 +120,9 @@ def test_a_sign_flipping_trainer_is_screened_out_charged_and_never_credited(tmp_
     # Never credited means none of its slices went into the weights: the loss falls as without it (a single
     # round's loss may still rise, as in clean runs of this tiny task).
     screened_out_and_never_credited(*hostile_run(tmp_path, "sign_flip"), "opposed")
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_pouring_noise_into_its_update_is_screened_out_charged_and_never_credited(tmp_path):
+    # Gaussian noise of 10x its update's rms: about 10x the others' norm, where no honest slice comes near.
+    screened_out_and_never_credited(*hostile_run(tmp_path, "gaussian"), "outsized")

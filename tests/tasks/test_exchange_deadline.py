@@ -9,7 +9,6 @@ import trio
 
 from node.tasks import exchange as exchange_module
 from node.tasks.exchange import AGGREGATE_FETCH_SHARE, Exchange
-from node.train.compress import encode_int8
 from protocol.task import UpdateAnnounce
 from protocol.task_machine import Aggregate
 from tests.tasks.conftest import tiny_spec
@@ -38,7 +37,7 @@ async def test_a_producer_that_never_serves_its_slice_leaves_the_aggregate_in_ti
         with trio.fail_after(timeout_s):  # as Exchange._fetch bounds every fetch
             if signer == "dead":
                 await trio.sleep_forever()  # SIGKILLed right after it announced its update
-            data = encode_int8(own_values(signer, numel_, 0.5))
+            data = exchange.codec.encode(own_values(signer, numel_, 0.5))
             return None, torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     async def publish_payload(data, label):
@@ -76,7 +75,7 @@ async def test_a_recomputation_matches_the_aggregate_and_refuses_a_slice_that_is
         producer, its_label, value = slices[manifest_hex]
         if producer != signer:
             raise IntegrityError(f"manifest {manifest_hex[:16]} is not signed by {signer}")
-        data = encode_int8(own_values(manifest_hex, numel_, value))
+        data = exchange.codec.encode(own_values(manifest_hex, numel_, value))
         return SimpleNamespace(label=its_label), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     async def publish_payload(data, label_):

@@ -13,7 +13,6 @@ import trio
 
 from node.tasks import compute
 from node.tasks import exchange as exchange_module
-from node.train.compress import encode_int8
 from protocol.audit import UNDECODABLE, Input, Verify
 from protocol.task import UpdateAnnounce
 from protocol.task_machine import Aggregate
@@ -30,7 +29,7 @@ def wired(tmp_path, monkeypatch, values: dict[str, torch.Tensor]):
     exchange.penalize = lambda peer, why: charged.append((peer, why))
 
     async def fetch_payload(manifest_hex, signer, numel_, timeout_s, *, kept, round_, codec=None):
-        data = encode_int8(values[manifest_hex])
+        data = exchange.codec.encode(values[manifest_hex])
         return SimpleNamespace(label=f"task/{TASK[:12]}/r4/u0"), torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     async def publish_payload(data, label):

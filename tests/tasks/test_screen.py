@@ -134,6 +134,40 @@ def test_no_direction_is_opposed_without_a_majority_or_with_two_producers():
     assert robust.combine({**two, **pair}, numel, SCREEN).screened == {}
 
 
+def noisy(slices: dict, of: str, numel: int, rms: float, seed: int = 9) -> bytearray:
+    """Producer ``of``'s slice plus Gaussian noise of ``rms`` x its rms (the hostile node's "gaussian")."""
+    x = decode_int8(slices[of][0], numel)
+    noise = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return encode_int8(x + noise * (rms * float(x.norm()) / numel ** 0.5))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.rule)
+def test_noise_poured_into_an_update_is_outsized_left_out_and_the_rest_recompute_to_the_same_bytes(spec):
+    numel = 5 * 256 + 9
+    slices = honest(numel, peers=4)
+    loud = {"noise": (noisy(slices, "p1", numel, 10.0), 96)}
+    out = robust.combine({**slices, **loud}, numel, spec)
+    assert out.screened == {"noise": "outsized"} and out.bad == []
+    assert bytes(out.data) == bytes(robust.combine(slices, numel, spec).data)
+
+
+def test_a_larger_honest_update_is_not_outsized_nor_is_anyone_without_a_majority():
+    numel = 4 * 256
+    slices = honest(numel, peers=4)
+    # A producer that took larger steps: the others' direction at 2.5x their size stays in (bounded by the rule).
+    big = {"big": (encode_int8((rand(100, numel) + rand(5, numel) * 0.5) * 2.5), 96)}
+    assert robust.combine({**slices, **big}, numel, SCREEN).screened == {}
+    # Two loud of four: no majority says which size is right.
+    two = {p: slices[p] for p in ("p0", "p1")}
+    pair = {"n0": (noisy(slices, "p2", numel, 10.0), 9), "n1": (noisy(slices, "p3", numel, 10.0, seed=10), 9)}
+    assert robust.combine({**two, **pair}, numel, SCREEN).screened == {}
+    # One against one: nothing to compare a size with.
+    assert robust.combine({"p0": slices["p0"], "n0": pair["n0"]}, numel, SCREEN).screened == {}
+    # Two loud of five are found.
+    assert robust.combine({**slices, "n0": pair["n0"], "n1": pair["n1"]}, numel, SCREEN).screened == \
+        {"n0": "outsized", "n1": "outsized"}
+
+
 def test_what_is_left_is_screened_clean_even_when_fewer_producers_turn_on_the_pairwise_check(monkeypatch):
     # Four producers: past the pairwise limit, so the near copy is not found at first; once the next-to-nothing
     # one is out, three are left and it is. An aggregate recomputed from exactly what was kept must leave no

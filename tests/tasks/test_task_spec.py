@@ -21,6 +21,8 @@ inner_steps = 10
 batch_size = 4
 rounds = 3
 round_deadline_s = 30
+compression = "int8"
+aggregate_compression = "int8"
 [task.model]
 n_layer = 1
 n_head = 2
@@ -32,6 +34,13 @@ max_bytes = 65536
 sha256 = "%s"
 num_shards = 4
 """ % ("ab" * 32)
+
+
+def test_a_toml_spec_that_names_no_compression_gets_int4_updates_and_aggregates():
+    text = SPEC_TOML.replace('compression = "int8"\naggregate_compression = "int8"\n', "")
+    spec = load_spec_toml(text)
+    assert (spec.compression, spec.aggregate_compression) == ("int4", "int4")
+    assert decode(encode(spec)) == spec and task_id(spec) != task_id(load_spec_toml(SPEC_TOML))
 
 
 def test_toml_defaults_and_id_are_stable():
@@ -277,11 +286,12 @@ def test_a_bad_overlap_is_refused_with_the_key_named(value, match):
 
 
 def test_aggregate_compression_travels_in_the_spec_and_is_left_off_at_int8():
-    spec = load_spec_toml(SPEC_TOML.replace("[task]\n", '[task]\naggregate_compression = "int4"\n', 1))
+    spec = load_spec_toml(SPEC_TOML.replace('aggregate_compression = "int8"', 'aggregate_compression = "int4"'))
     assert spec.aggregate_compression == "int4" and decode(encode(spec)) == spec
     plain = load_spec_toml(SPEC_TOML)
     assert task_id(spec) != task_id(plain) and plain.aggregate_compression == "int8"
-    assert load_spec_toml(SPEC_TOML.replace("[task]\n", '[task]\naggregate_compression = "int8"\n', 1)) == plain
+    assert load_spec_toml(SPEC_TOML.replace('aggregate_compression = "int8"\n', '')) == \
+        dataclasses.replace(plain, aggregate_compression="int4")  # a TOML spec that names none: int4
     # The fields before it in the tail go on the wire at their defaults; at int8 the tail is cut back.
     assert len(msgpack.unpackb(encode(plain))) == len(msgpack.unpackb(encode(spec))) - 3
 
@@ -289,4 +299,4 @@ def test_aggregate_compression_travels_in_the_spec_and_is_left_off_at_int8():
 @pytest.mark.parametrize("value", ['"topk"', '"int16"', '"fp32"'])
 def test_an_aggregate_compression_aggregators_cannot_write_is_refused(value):
     with pytest.raises(ConfigError, match=r"aggregate_compression must be one of \['int8', 'int4', 'int2'\]"):
-        load_spec_toml(SPEC_TOML.replace("[task]\n", f"[task]\naggregate_compression = {value}\n", 1))
+        load_spec_toml(SPEC_TOML.replace('aggregate_compression = "int8"', f"aggregate_compression = {value}"))
