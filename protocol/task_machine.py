@@ -93,9 +93,14 @@ JOIN_ANSWERS = 2
 """Members that answer a join from older weights with their own (chosen by rendezvous hash)."""
 OUTVOTED_ROUNDS = 4
 """How many past rounds' outvoted weights are kept out of the heads a node would move to."""
+CONFIRM_SHARE = 0.5
+"""Past this share of the round deadline after collecting, an aggregate nobody confirmed is recomputed even while
+the slice's other aggregators still owe theirs: aggregators stop fetching by then (node/tasks/exchange.py
+AGGREGATE_FETCH_SHARE), and an aggregate is never applied unconfirmed and unchecked when the deadline comes."""
 CONTRIBUTED_ROUNDS = 16
-"""A member's weights vote counts while an aggregate this node applied in the last this-many rounds
-included its work; older contributors are forgotten, so the record stays bounded under churn."""
+"""A member's weights vote, and its turn as an aggregator, count while an aggregate this node applied in the
+last this-many rounds included its work; older contributors are forgotten, so the record stays bounded under
+churn."""
 
 
 # -- events the caller feeds in (besides the task messages themselves) ----------------------------
@@ -643,6 +648,7 @@ class TaskMachine:
                 waited = [p for p in cached[0] if p not in rec.updates] if fresh else []
             elif rec.phase is Phase.GATHERING:
                 times.append(rec.collected_at + self.round_deadline_s)
+                times.append(rec.collected_at + CONFIRM_SHARE * self.round_deadline_s)
                 times.append(rec.collected_at + self.quiet_after_s)
                 if rec.unknown_since is not None:
                     times.append(rec.unknown_since + self.quiet_after_s)
@@ -1235,6 +1241,13 @@ class TaskMachine:
         rec.collected_at = now
         rec.members = tuple(sorted(set(members) | set(rec.updates)))
         pool = [p for p in members if self.live(p, now)]
+        # Aggregators are drawn from the members whose work went into the weights lately: new identities
+        # that never contributed are not handed slices to aggregate (two of them agreeing on a lie would
+        # confirm each other). With too few such members, or no record yet (round 0), every live member is.
+        recent = self._recent_contributors(rec.index)
+        proven = [p for p in pool if p in recent]
+        if len(proven) >= self.aggregators_per_slice:
+            pool = proven
         updates = tuple(rec.updates[p] for p in sorted(rec.updates))
         effects: list[Effect] = [Overdue(rec.index, "collecting", late)] if late else []
         for s in range(self.num_slices):
@@ -1305,12 +1318,17 @@ class TaskMachine:
             # other aggregators list) the slice need not wait for the other aggregators.
             settled = collected <= best.accounted() and now >= rec.collected_at + self.quiet_after_s
             waiting = not settled and any(a not in got and self._owes(a, rec, now) for a in expected)
-            # An aggregate is applied as it is when we made it or another aggregator vouches for it (the same
-            # inputs, the same result). Aggregators that disagree, an aggregate nobody else will confirm, or a
-            # spot check: it is recomputed from its inputs and applied only if it matches.
-            confirmed = best.aggregator == self.self_id or any(
-                m is not best and m.result_hash == best.result_hash and m.key() == best.key() for m in got.values())
-            check = cached[3] or (not confirmed and not waiting) or (rec.producing and self._spot(rec, s))
+            # An aggregate is applied as it is when we made it or two of the aggregators this round handed the
+            # slice to vouch for it (the same inputs, the same result): any member may announce an aggregate,
+            # and a newcomer's copy of a lie is no second opinion. Aggregators that disagree, an aggregate
+            # nobody confirms (by CONFIRM_SHARE of the deadline at the latest), or a spot check: it is
+            # recomputed from its inputs and applied only if it matches.
+            confirmed = best.aggregator == self.self_id or len({
+                m.aggregator for m in got.values()
+                if m.aggregator in expected and m.result_hash == best.result_hash and m.key() == best.key()}) >= 2
+            overdue_s = rec.collected_at + CONFIRM_SHARE * self.round_deadline_s
+            check = cached[3] or (not confirmed and (not waiting or now >= overdue_s)) \
+                or (rec.producing and self._spot(rec, s))
             if check and best.aggregator != self.self_id and not self.audit.verdict(best.key())[0]:
                 inputs = self._inputs_of(rec, best)
                 complete = False
@@ -1363,6 +1381,10 @@ class TaskMachine:
         best = self._best_known(now) if not rec.producing else None
         return [*overdue, Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
 
+    def _recent_contributors(self, r: int) -> set[str]:
+        """Producers an aggregate this node applied included within CONTRIBUTED_ROUNDS before round ``r``."""
+        return {p for p, last in self.contributed.items() if last > r - CONTRIBUTED_ROUNDS}
+
     def _spot(self, rec: RoundState, s: int) -> bool:
         drawn = rec.spot.get(s)
         if drawn is None:
@@ -1386,7 +1408,7 @@ class TaskMachine:
         # A member's vote counts while an aggregate this node applied in the last CONTRIBUTED_ROUNDS rounds
         # included its work; a node that has applied none (a fresh joiner's first round) counts every member.
         counted = set(rec.members)
-        recent = {p for p, r in self.contributed.items() if r > rec.index - CONTRIBUTED_ROUNDS}
+        recent = self._recent_contributors(rec.index)
         if recent:
             counted &= recent
         voters = {p: w for p, w in voters.items() if p in counted and p not in self.audit.banned}

@@ -82,6 +82,12 @@ class Swarm:
         self.equivocate: dict[str, str] = {}
         """Aggregators that also sign a second version of each aggregate, sent first to half of the others and a
         moment later to the rest: "result" (the same inputs, a forged result) or "inputs" (one producer fewer)."""
+        self.omit: set[str] = set()
+        """Aggregators that leave one other producer's update out of each aggregate without a word (so their
+        aggregate never covers every update the others collected)."""
+        self.collude: set[str] = set()
+        """Aggregators that forge one shared lie and vouch for each other: each of their aggregates is also announced,
+        the same, under every other live colluder's name (any member may announce an aggregate); they judge nothing."""
         self.frame: set[str] = set()
         """Aggregators that claim the screen left out an honest producer's slice (one the screen keeps)."""
         self.charged: list[tuple[str, ScreenedOut]] = []
@@ -111,7 +117,7 @@ class Swarm:
                         aggregators_per_slice=self.k, round_deadline_s=DEADLINE_S, quiet_after_s=QUIET_S,
                         listen_s=self.listen_s, min_members=self.min_members, max_members=100_000, max_samples=MAX_SAMPLES,
                         spot_check=self.spot_check, rng=random.Random(f"{self.seed}/{name}"))
-        if name in self.forge:
+        if name in self.forge or name in self.collude:
             m.audit = BlindAudit()
         self.machines[name] = m
         self.announced.pop(name, None)
@@ -198,20 +204,27 @@ class Swarm:
                     if victim is not None:
                         left[victim] = "opposed"
                 kept = [u for u in e.updates if u.producer not in left]
+                if name in self.omit and len(kept) > 1:
+                    kept = [u for u in kept if u.producer != name][1:] + [u for u in kept if u.producer == name]
                 if not kept:
                     continue  # every slice screened out: no aggregate, as on a node
                 out = sorted((u for u in e.updates if u.producer in left), key=lambda u: u.producer)
                 result = truth(e.round, e.slice, kept)
                 if name in self.forge:
                     result = h("forged", name, result)
+                if name in self.collude:
+                    result = h("forged", "collusion", result)
                 if name in self.equivocate:
                     self._equivocate(name, e, kept, result)
-                self.local(name, Aggregated(round=e.round, slice=e.slice, included=tuple(u.producer for u in kept),
-                                            inputs=tuple(u.manifest_ids[e.slice] for u in kept),
-                                            manifest_id=result, result_hash=result,
-                                            screened=tuple(u.producer for u in out),
-                                            screened_inputs=tuple(u.manifest_ids[e.slice] for u in out),
-                                            screened_why=tuple(left[u.producer] for u in out)))
+                made = Aggregated(round=e.round, slice=e.slice, included=tuple(u.producer for u in kept),
+                                  inputs=tuple(u.manifest_ids[e.slice] for u in kept),
+                                  manifest_id=result, result_hash=result,
+                                  screened=tuple(u.producer for u in out),
+                                  screened_inputs=tuple(u.manifest_ids[e.slice] for u in out),
+                                  screened_why=tuple(left[u.producer] for u in out))
+                if name in self.collude:
+                    self._vouch(name, made)
+                self.local(name, made)
             elif isinstance(e, Verify):
                 self.verifications += 1
                 claimed = {i.producer: why for i, why in e.screened}
@@ -258,6 +271,17 @@ class Swarm:
         m = self.machines[name]
         if m.head is not None and m.stage is not Stage.SYNCING:
             self.saved[name] = m.head  # what the node's checkpoint holds
+
+    def _vouch(self, name: str, made: Aggregated) -> None:
+        for other in sorted(self.collude - {name} - self.dead):
+            if other in self.machines:
+                fields = {f.name: getattr(made, f.name) for f in dataclasses.fields(Aggregated) if f.name != "round"}
+                self.broadcast(other, AggregateAnnounce(task_id=TASK, round=made.round, aggregator=other, **fields))
+
+    def forged_applied(self, names) -> int:
+        """Aggregates that ``names`` applied whose result is not what their inputs give."""
+        return sum(a.result_hash != h("agg", a.round, a.slice, tuple(zip(a.included, a.inputs)))
+                   for n, e in self.events if n in names and isinstance(e, Apply) for a in e.chosen)
 
     def _equivocate(self, name: str, e: Aggregate, kept: list, result: str) -> None:
         how = self.equivocate[name]

@@ -70,6 +70,57 @@ def test_without_spot_checks_nothing_recomputes_aggregates_that_agree():
     assert sim.verifications == 0 and not sim.forged and len(final_hashes(sim)) == 1
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_new_identities_agreeing_on_a_lie_are_handed_no_slice_and_nothing_forged_is_applied(seed):
+    """Four new identities of seven, whose updates are screened out, forge one shared lie and vouch for each
+    other. Handed slices as any members, both aggregators of a slice were theirs in about 3 of 10 slices, and
+    with no honest aggregate to contradict them the lie passed unchecked (spot checks off here)."""
+    honest, sybils = ["a", "b", "c"], ["s1", "s2", "s3", "s4"]
+    sim = Swarm(honest, rounds=10, slices=2, k=2, min_members=3, seed=seed)
+    sim.run_until(lambda: all(sim.machines[n].current >= 1 for n in honest), 300)
+    sim.collude.update(sybils)
+    for s in sybils:
+        sim.screen[s] = "empty"
+        sim.add(s)
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 600)
+    assert sim.forged_applied(honest) == 0
+    for n in honest:
+        assert set(sim.machines[n].contributed) == set(honest)
+        rounds = sim.machines[n].rounds_seen
+        assert rounds and not {a for rec in rounds.values() for s in rec.aggregators.values() for a in s} & set(sybils)
+    assert len({sim.history[n][9] for n in honest}) == 1
+
+
+def test_a_newcomer_vouching_for_a_members_lie_confirms_nothing():
+    """A member whose work counted starts forging once a new identity joins to announce the same aggregates as
+    a second opinion, while the honest aggregators are silent. Only the aggregators a round handed the slice to
+    vouch, so the lie is recomputed, proven and its aggregator banned; it used to be applied as confirmed."""
+    honest, liar, sybil = ["a", "b", "c"], "d", "s1"
+    sim = Swarm([*honest, liar, sybil], rounds=8, slices=2, k=2, min_members=3)
+    sim.screen[sybil] = "empty"  # a member from the start whose work never counts
+    sim.run_until(lambda: all(sim.machines[n].current >= 2 for n in honest), 300)
+    sim.collude.update({liar, sybil})
+    sim.mute.update(honest)
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 600)
+    assert sim.forged_applied(honest) == 0
+    assert all(liar in sim.machines[n].audit.banned for n in honest)
+
+
+def test_an_unconfirmed_aggregate_is_checked_before_the_deadline_even_while_its_co_aggregator_owes_one():
+    """A forger that also leaves a producer out never covers every update, so the slice keeps waiting for its
+    silent co-aggregator; at the deadline its lie used to be applied unchecked. Now it is recomputed once the
+    aggregators' fetching time is over, proven, and its aggregator banned."""
+    honest, liar = ["a", "b", "c"], "d"
+    sim = Swarm([*honest, liar], rounds=6, slices=2, k=2, min_members=3)
+    sim.run_until(lambda: all(sim.machines[n].current >= 2 for n in honest), 300)
+    sim.forge.add(liar)
+    sim.omit.add(liar)
+    sim.mute.update(honest)
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 600)
+    assert sim.forged_applied(honest) == 0
+    assert all(sim.machines[n].audit.banned == {liar} for n in honest)
+
+
 def test_a_proof_is_judged_by_recomputing_it_and_a_false_one_charges_its_accuser():
     sim = Swarm(["a", "b", "c"], rounds=4, slices=1, k=1, min_members=3)
     sim.run_until(lambda: sim.rounds_done("a") >= 1 and sim.machines["a"].current >= 1
