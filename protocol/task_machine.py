@@ -904,7 +904,13 @@ class TaskMachine:
                                 result_hash=ev.result_hash, screened=ev.screened,
                                 screened_inputs=ev.screened_inputs, screened_why=ev.screened_why)
         self.audit.own(msg)
-        return [Publish(msg), *self._on_AggregateAnnounce(msg, now)]
+        # Aggregates of the same key heard before ours was made are judged by it now, as a recomputation's
+        # verdict judges them: a forger that announced first would otherwise stay unjudged and, ranked first,
+        # be applied (our verdict being known, nobody recomputes it).
+        rec = self.rounds_seen[ev.round]
+        judged = [e for a in list(rec.aggregates.get(ev.slice, {}).values()) if a.key() == msg.key()
+                  for e in self.audit.judge(a)]
+        return [Publish(msg), *self._judged(judged), *self._on_AggregateAnnounce(msg, now)]
 
     def _on_Applied(self, ev: Applied, now: float) -> list[Effect]:
         rec = self.rounds_seen.get(ev.round)

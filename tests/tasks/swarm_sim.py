@@ -57,6 +57,8 @@ class Swarm:
                  spot_check=0.0, seed=0):
         self.now = 0.0
         self.apply_s: dict[str, float] = {}
+        self.aggregate_s: dict[str, float] = {}
+        """Per node, simulated seconds its aggregation takes (fetching and combining); others aggregate at once."""
         """Per node, simulated seconds its Apply takes (a slow trainer); others apply at once."""
         self.sync_s = sync_s
         """Simulated seconds a weights fetch takes (0: at once); the swarm moves on meanwhile."""
@@ -224,7 +226,10 @@ class Swarm:
                                   screened_why=tuple(left[u.producer] for u in out))
                 if name in self.collude:
                     self._vouch(name, made)
-                self.local(name, made)
+                if self.aggregate_s.get(name):
+                    heapq.heappush(self.later, (self.now + self.aggregate_s[name], next(self._seq), name, made))
+                else:
+                    self.local(name, made)
             elif isinstance(e, Verify):
                 self.verifications += 1
                 claimed = {i.producer: why for i, why in e.screened}

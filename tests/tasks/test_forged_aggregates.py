@@ -55,6 +55,21 @@ def _truth_of(sim, name, a):
     return truth(a.round, a.slice, [index[1][(p, a.round, a.slice, mid)] for p, mid in zip(a.included, a.inputs)])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_forgery_heard_before_our_own_aggregate_is_judged_by_it_and_never_applied(seed):
+    """The forger aggregates at once, the honest nodes take two simulated seconds: its aggregate arrives before
+    theirs is made. Their own result judges it the moment it exists (seen on real nodes: one honest node
+    applied the forged aggregate that it had itself aggregated honestly, its verdict being known)."""
+    names = ["a", "b", "c", "d"]
+    forger = names[seed]
+    sim = Swarm(names, rounds=8, slices=2, k=2, min_members=3, forge={forger})
+    honest = _honest(sim, {forger})
+    sim.aggregate_s.update(dict.fromkeys(honest, 2.0))
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 600)
+    assert sim.forged_applied(honest) == 0
+    assert all(sim.machines[n].audit.banned == {forger} for n in honest)
+
+
 def test_the_only_aggregator_of_a_slice_is_caught_by_spot_checks():
     forger = "c"
     sim = Swarm(["a", "b", "c", "d"], rounds=6, slices=2, k=1, min_members=3, forge={forger}, spot_check=1.0)
