@@ -147,6 +147,7 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         "honest_excluded_share": excluded(honest),
         "time_to_ban_s": None if banned_at is None else round(banned_at, 1),
         "verification_share": round(sum(t.get("verify_seconds", 0.0) for t in tasks) / train_s, 4) if train_s else None,
+        "verifications": [t.get("verifications", 0) for t in tasks],
         "screened": [t.get("screened", {}) for t in tasks],
         "forgeries_found": sum(len(t.get("forgeries", [])) for t in tasks),
         "seconds": round(took, 1),
