@@ -45,7 +45,7 @@ OPPOSED_COSINE = 0.0
 """A slice pointing against the median of the others (below this cosine with it) is left out. An honest
 slice's cosine with the median was never below 0.19 (demo model: 4, 8 and 16 producers, 1 to 12 inner
 steps, from scratch and from a warm start, scripts/screen_margins.py); Gaussian noise of 10x an update's rms is
-about 0.05, so noise is left to the norm bound and the rule."""
+about 0.05, so noise is left to OUTSIZED_SHARE, the norm bound and the rule."""
 OUTSIZED_SHARE = 4.0
 """A slice with a norm of at least this many times the median norm of the others is left out: noise poured
 into an update (Gaussian noise of 10x its rms is about 10x). An honest producer's norm was never above 1.6x
