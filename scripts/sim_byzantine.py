@@ -77,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nodes < 8 or not 0 <= args.share < 0.5:
         parser.error("--nodes must be at least 8 and --share within [0, 0.5)")
-    runs = [run(args.nodes, args.share, int(s), args.spot_check) for s in args.seeds.split(",")]
+    runs = []
+    for s in args.seeds.split(","):
+        print(f"sim_byzantine: seed {s}: {args.nodes} members, {int(args.nodes * args.share)} forging ...",
+              file=sys.stderr, flush=True)
+        runs.append(run(args.nodes, args.share, int(s), args.spot_check))
+        print(f"sim_byzantine: seed {s}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
     print(json.dumps({"runs": runs, "all_agreed": all(r["agreed_every_round"] for r in runs),
                       "forged_applied": sum(r["forged_applied"] for r in runs),
                       "honest_banned": sum(r["honest_banned"] for r in runs)}, indent=1))
