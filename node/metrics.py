@@ -173,3 +173,12 @@ def task_samples(node) -> Iterable[Sample]:
             yield ("shoal_task_screened_applied_total", "counter", "Producers' slices the screen left out of the "
                    "aggregates this node applied, by reason (all but duplicate are charged to the producer on "
                    "every node)", {**task, "reason": reason}, n)
+        checks = t.get("training_checks") or {}
+        for outcome in ("passed", "untrained", "confirmed", "refuted", "unjudged"):
+            if outcome in checks:
+                yield ("shoal_task_training_checks_total", "counter", "Others' updates measured on their own batches, "
+                       "by outcome (untrained: found here; confirmed/refuted: a peer's proof measured again; "
+                       "unjudged: not checkable here)", {**task, "outcome": outcome}, checks[outcome])
+        if "seconds" in checks:
+            yield ("shoal_task_training_check_seconds_total", "counter", "Seconds spent measuring others' updates",
+                   task, checks["seconds"])

@@ -89,3 +89,11 @@ def assign_shards(
     for shard, peer in sorted(taken.items()):
         result[peer].append(shard)
     return result
+
+
+def checker(task_id: str, round_index: int, producer: str, candidates: Iterable[str]) -> str | None:
+    """Who checks ``producer``'s update of a round (node/tasks/checks.py): the best-scoring other candidate,
+    None when there is none. Every node that knows the same candidates names the same checker."""
+    others = sorted({c for c in candidates if c != producer})
+    chosen = top(make_key("check", task_id, round_index, producer), others, 1)
+    return chosen[0] if chosen else None

@@ -48,7 +48,9 @@ MAX_LOSSES = 64
 DEFAULT_TASK_SPEC_BYTES = 16 * 1024
 MAX_TRAINERS = 200
 MAX_PROOF_BYTES = 60 * 1024
-"""A sealed aggregate inside a proof: the proof must still fit a task message (64 KiB)."""
+"""A sealed aggregate (or update) inside a proof: the proof must still fit a task message (64 KiB)."""
+MAX_CLAIMED_SHARDS = 1024
+"""Data shards an update names as the ones it trained on; a producer given more names none (not checkable)."""
 
 SPECS_TOPIC = "shoal/tasks/1"
 
@@ -375,10 +377,13 @@ class TaskJoin:
         _need(0 <= self.round < MAX_ROUNDS, "round out of range")
 
 
-@message(tag=26)
+@message(tag=26, optional_tail=("shards",))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateAnnounce:
-    """A producer's compressed pseudo-gradient for one round, one SHARDCAST manifest per slice."""
+    """A producer's compressed pseudo-gradient for one round, one SHARDCAST manifest per slice.
+
+    ``shards``: the data shards it trained on (its rendezvous assignment), so a checker judges it on the
+    batches it drew from them (node/tasks/training_check.py); empty: not said, never judged."""
 
     task_id: str
     round: int
@@ -387,6 +392,7 @@ class UpdateAnnounce:
     samples: int
     manifest_ids: tuple[str, ...]
     losses: tuple[float, ...]
+    shards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_task(self.task_id)
@@ -397,6 +403,9 @@ class UpdateAnnounce:
         _need(1 <= len(self.manifest_ids) <= MAX_SLICES and all(_is_hex_hash(m) for m in self.manifest_ids),
               "manifest_ids must be 1..256 hex sha256 ids")
         _need(len(self.losses) <= MAX_LOSSES and all(_finite(x) for x in self.losses), "losses must be finite")
+        _need(len(self.shards) <= MAX_CLAIMED_SHARDS and list(self.shards) == sorted(set(self.shards))
+              and all(0 <= i < MAX_DATASET_SHARDS for i in self.shards),
+              f"shards must be at most {MAX_CLAIMED_SHARDS} distinct shard indices, sorted")
 
 
 @message(tag=27, optional_tail=("screened", "screened_inputs", "screened_why"))
@@ -473,6 +482,28 @@ class AggregateProof:
         _need(_is_hex_hash(self.result_hash), "result_hash must be a hex sha256")
 
 
+@message(tag=35)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingProof:
+    """``accuser`` applied an update to its round's weights and found that it raises the loss on the very
+    batches its producer says it trained on (node/tasks/training_check.py): it did not train on them.
+
+    ``update`` is the UpdateAnnounce as its producer sealed it (signature included), so the claim is the
+    producer's own; anyone holding the round's weights can fetch the update and measure ``gain`` again."""
+
+    task_id: str
+    accuser: str
+    update: bytes
+    gain: float
+    """What the accuser measured: loss before minus loss after, nats (negative: the update made them worse)."""
+
+    def __post_init__(self) -> None:
+        _check_task(self.task_id)
+        _check_id(self.accuser, "accuser")
+        _need(0 < len(self.update) <= MAX_PROOF_BYTES, "update must be a sealed envelope")
+        _need(_finite(self.gain), "gain must be finite")
+
+
 @message(tag=28, optional_tail=("train_share",))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsAnnounce:
@@ -532,7 +563,8 @@ class TaskCancel:
         _need(len(self.reason) <= 256, "reason must have at most 256 characters")
 
 
-TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer, AggregateProof)
+TASK_MESSAGES = (TaskJoin, UpdateAnnounce, AggregateAnnounce, WeightsAnnounce, DatasetOffer, AggregateProof,
+                 TrainingProof)
 
 # -- TOML ----------------------------------------------------------------------------------------
 

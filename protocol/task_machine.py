@@ -113,6 +113,8 @@ class Trained:
     samples: int
     manifest_ids: tuple[str, ...]
     losses: tuple[float, ...]
+    shards: tuple[int, ...] = ()
+    """The data shards it trained on (UpdateAnnounce.shards)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -891,7 +893,7 @@ class TaskMachine:
         self._move(rec, "trained")
         msg = UpdateAnnounce(task_id=self.task_id, round=ev.round, producer=self.self_id,
                              base_hash=rec.base.weights_hash, samples=ev.samples, manifest_ids=ev.manifest_ids,
-                             losses=ev.losses)
+                             losses=ev.losses, shards=ev.shards)
         rec.updates[self.self_id] = rec.my_update = msg
         self._hear_update(rec, msg)
         return [Publish(msg), *self._advance(rec, now)]

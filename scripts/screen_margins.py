@@ -12,8 +12,14 @@ and inner-step count asked. Per slice and round it measures what the screen deci
     min_norm_ratio        the smallest norm over the median norm (at most 0.01 is "empty")
     max_norm_ratio        the largest (at least 4 is "outsized")
 
+and per producer and round what the training check decides on (node/tasks/training_check.py):
+
+    min_own_gain          the lowest loss drop its whole update, as its slices decode, gives on its own
+                          first batches from the round's weights (below -0.05 is "untrained"; measured
+                          for updates of 8 inner steps or more, the ones a node judges)
+
 and reports the extreme of each over every slice, round and run, with the screen's own count of honest
-slices it left out (which must be 0).
+slices it left out and the training check's count of honest updates it would accuse (both must be 0).
 
     python scripts/screen_margins.py --quick        # 4 and 8 producers, 4 rounds: about 4 min here
     python scripts/screen_margins.py --json-out docs/bench/screen-margins.json
@@ -35,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from node.tasks import compute, robust  # noqa: E402
+from node.tasks import compute, robust, training_check  # noqa: E402
 from node.train.data import derive_seed  # noqa: E402
 from node.train.diloco import OuterNesterov, flatten, pseudo_gradient  # noqa: E402
 from node.train.inner import train_inner  # noqa: E402
@@ -76,8 +82,9 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
     opt: dict[str, dict] = {}
     codec, out = bench.codecs
     feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
-    worst = {"max_pairwise_cosine": -1.0, "min_median_cosine": 1.0, "min_norm_ratio": math.inf, "max_norm_ratio": 0.0}
-    left_out = 0
+    worst = {"max_pairwise_cosine": -1.0, "min_median_cosine": 1.0, "min_norm_ratio": math.inf, "max_norm_ratio": 0.0,
+             "min_own_gain": math.inf}
+    left_out = accused = 0
     for r in range(bench.rounds):
         assignment = assign_shards(task, r, peers, bench.num_shards)
         flats, layout = {}, None
@@ -90,8 +97,16 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
             flats[p], layout = flatten(pseudo_gradient(state.weights, result.weights))
         payloads = {p: encode_update(f, layout, bench, feedback.get(p)) for p, f in flats.items()}
         numel = sum(t.numel() for t in state.weights.values())
+        bounds = compute.slice_bounds(numel, bench.num_slices)
+        for p in peers if training_check.judged(bench.inner_steps) else ():
+            delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec) for s, (a, b) in enumerate(bounds)])
+            own = training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
+                                             bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
+            gain = training_check.own_gain(bench.model, state.weights, delta, own)
+            worst["min_own_gain"] = min(worst["min_own_gain"], gain)
+            accused += training_check.untrained(gain)
         aggregates = []
-        for s, (a, b) in enumerate(compute.slice_bounds(numel, bench.num_slices)):
+        for s, (a, b) in enumerate(bounds):
             # What an aggregator sees: the slices decoded, not the float updates.
             got = {p: (payloads[p][s], 1) for p in payloads}
             decoded = {p: compute.decode_slice(payloads[p][s], b - a, codec) for p in payloads}
@@ -106,15 +121,18 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
             left_out += len(combined.screened)
             aggregates.append(combined.data)
         state = compute.apply_aggregates(state, aggregates, state.work + producers, out)
-    return {**{k: round(v, 4) for k, v in worst.items()}, "honest_slices_screened_out": left_out}
+    return {**{k: round(v, 4) if math.isfinite(v) else None for k, v in worst.items()},
+            "honest_slices_screened_out": left_out,
+            "honest_updates_untrained": accused}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 and 8 producers, 4 rounds, 12 inner steps")
     parser.add_argument("--producers", default="4,8,16")
-    parser.add_argument("--inner-steps", default="2,12")
+    parser.add_argument("--inner-steps", default="2,8,12")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=Bench.batch_size)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--compression", default=default_compression(),
                         help="UPDATE[/AGGREGATE] as a task spec names them (default: a TOML spec's, %(default)s)")
@@ -128,8 +146,9 @@ def main() -> None:
     steps = [12] if args.quick else [int(x) for x in args.inner_steps.split(",") if x]
     rounds = 4 if args.quick else args.rounds
     seeds = 1 if args.quick else args.seeds
-    if not producers or min(producers) < 2 or not steps or min(steps) < 1 or rounds < 1 or seeds < 1:
-        parser.error("producers must be 2 or more, inner steps, rounds and seeds 1 or more")
+    if not producers or min(producers) < 2 or not steps or min(steps) < 1 or rounds < 1 or seeds < 1 \
+            or args.batch_size < 1:
+        parser.error("producers must be 2 or more, inner steps, rounds, seeds and the batch size 1 or more")
     t0 = time.monotonic()
     runs = []
     for n in producers:
@@ -137,7 +156,7 @@ def main() -> None:
             for warm in (False, True):
                 for seed in range(seeds):
                     bench = Bench(rounds=rounds, inner_steps=h, compression=compression,
-                                  aggregate_compression=aggregate)
+                                  aggregate_compression=aggregate, batch_size=args.batch_size)
                     out = {"producers": n, "inner_steps": h, "start": "warm" if warm else "scratch", "seed": seed,
                            **run(bench, n, seed, warm)}
                     runs.append(out)
@@ -145,14 +164,18 @@ def main() -> None:
                           flush=True)
     report = {
         "command": " ".join(["python", "scripts/screen_margins.py", *sys.argv[1:]]),
-        "compression": f"{compression}/{aggregate}",
+        "compression": f"{compression}/{aggregate}", "batch_size": args.batch_size,
         "thresholds": {"duplicate_cosine": robust.DUPLICATE_COSINE, "opposed_cosine": robust.OPPOSED_COSINE,
-                       "empty_share": robust.EMPTY_SHARE, "outsized_share": robust.OUTSIZED_SHARE},
+                       "empty_share": robust.EMPTY_SHARE, "outsized_share": robust.OUTSIZED_SHARE,
+                       "untrained_gain": training_check.UNTRAINED_GAIN,
+                       "check_min_steps": training_check.CHECK_MIN_STEPS},
         "worst": {"max_pairwise_cosine": max(r["max_pairwise_cosine"] for r in runs),
                   "min_median_cosine": min(r["min_median_cosine"] for r in runs),
                   "min_norm_ratio": min(r["min_norm_ratio"] for r in runs),
                   "max_norm_ratio": max(r["max_norm_ratio"] for r in runs),
-                  "honest_slices_screened_out": sum(r["honest_slices_screened_out"] for r in runs)},
+                  "min_own_gain": min((r["min_own_gain"] for r in runs if r["min_own_gain"] is not None), default=None),
+                  "honest_slices_screened_out": sum(r["honest_slices_screened_out"] for r in runs),
+                  "honest_updates_untrained": sum(r["honest_updates_untrained"] for r in runs)},
         "runs": runs, "seconds": round(time.monotonic() - t0, 1),
     }
     text = json.dumps(report, indent=1)

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import trio
 
 from node.tasks import compute, robust
@@ -24,7 +25,7 @@ from protocol.errors import IntegrityError, LocalStoreError, RemoteProtocolError
 from protocol.keys import Keypair
 from protocol.manifest import KIND_FILE, KIND_TENSORS, Manifest, layout_tensors, manifest_id
 from protocol.round import Head, round_work
-from protocol.task import DatasetOffer, TaskSpec
+from protocol.task import DatasetOffer, TaskSpec, UpdateAnnounce
 from protocol.task_machine import Aggregate, Aggregated, Apply
 
 log = logging.getLogger("shoal.tasks")
@@ -236,6 +237,24 @@ class Exchange:
                           screened=tuple(left_out),
                           screened_inputs=tuple(by_producer[p].manifest_ids[job.slice] for p in left_out),
                           screened_why=tuple(screened[p] for p in left_out))
+
+    async def fetch_update(self, update: UpdateAnnounce) -> torch.Tensor:
+        """A producer's whole update as its slices decode (what aggregation uses), flat in sorted-name order:
+        the training check's Δ̂. RemoteProtocolError when a slice is no slice of that round by that producer;
+        TransportError or trio.TooSlowError when one cannot be fetched. The slices are released with the round."""
+        bounds = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)
+        if len(update.manifest_ids) != len(bounds):
+            raise IntegrityError(f"an update of {len(update.manifest_ids)} slices, not {len(bounds)}")
+        deadline_s = self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
+        parts = []
+        for s, (a, b) in enumerate(bounds):
+            manifest, data = await self._fetch_payload(update.manifest_ids[s], update.producer, b - a, deadline_s,
+                                                       kept=self._slices, round_=update.round, codec=self.codec)
+            label = f"task/{self.tid[:12]}/r{update.round}/u{s}"
+            if manifest.label != label:
+                raise IntegrityError(f"{update.manifest_ids[s][:16]} is labelled {manifest.label!r}, not {label!r}")
+            parts.append(await trio.to_thread.run_sync(compute.decode_slice, data, b - a, self.codec))
+        return torch.cat(parts)
 
     async def verify(self, job: Verify) -> Verified:
         """Recompute an aggregate from exactly the slices it lists (fetched from their producers or any

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from node.tasks import compute, history
+from node.tasks.checks import TrainingChecks, shards_of
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
@@ -30,10 +31,9 @@ from p2p.api import GossipMessage
 from protocol.audit import Accused, FalseAccusation, Forged, Verify, open_proof
 from protocol.envelope import open_sealed, seal
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
-from protocol.rendezvous import assign_shards
 from protocol.round import Head
-from protocol.task import (TASK_MESSAGES, AggregateAnnounce, AggregateProof, DatasetOffer, TaskSpec, WeightsAnnounce,
-                           task_topic)
+from protocol.task import (MAX_CLAIMED_SHARDS, TASK_MESSAGES, AggregateAnnounce, AggregateProof, DatasetOffer,
+                           TaskSpec, TrainingProof, UpdateAnnounce, WeightsAnnounce, task_topic)
 from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchState, Finished, Impossible, MakeInitial,
                                    Overdue, PeerGone, Publish, RoundClosed, ScreenedOut, Stage, Synced, SyncFailed,
                                    TaskMachine, Train, Trained, WorkFailed)
@@ -80,6 +80,11 @@ class TaskRunner:
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
                                  keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params,
                                  banned=node.membership.is_banned)
+        self.checks = TrainingChecks(spec=spec, task_id=tid, me=self.me, fetch_update=self.exchange.fetch_update,
+                                     penalize=node.membership.penalize, publish=self._publish,
+                                     corpus=lambda: self.corpus_path, enabled=self.hf is None,
+                                     max_bytes=MAX_TASK_MESSAGE_BYTES)
+        """Whether other contributors' updates trained on their own data (tiny-lm tasks)."""
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""
@@ -142,6 +147,7 @@ class TaskRunner:
             "verify_seconds": round(self.verify_s, 2), "verifications": self.verifications,
             "receipts": self.ledger.count, "receipt_errors": self.ledger.errors,
             "screened": dict(self.exchange.screened), "screened_applied": dict(self.screened_applied),
+            "training_checks": self.checks.status(),
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
             "peers": self._peer_rows(m),
@@ -211,7 +217,11 @@ class TaskRunner:
                 accused = self._accused(m, msg.origin)
                 if accused is not None:
                     await self._send.send(accused)
+            elif isinstance(m, TrainingProof):
+                self.checks.proof(m, msg.origin, self._nursery)
             else:
+                if isinstance(m, UpdateAnnounce):
+                    self.checks.heard(m, msg.data)
                 if isinstance(m, AggregateAnnounce):
                     self._sealed_aggregates[(m.round, m.slice, m.aggregator)] = msg.data
                     while len(self._sealed_aggregates) > SEALED_AGGREGATES:
@@ -450,14 +460,17 @@ class TaskRunner:
 
     async def _produce(self, job: Train) -> Trained:
         """Train from θ_r, then publish Δ's int8 slices over SHARDCAST."""
+        self.checks.trained(job.round, list(job.members))
         result = await self._train(job.round, list(job.members))
         self._round_train_s[job.round] = result.seconds
         if result.carried_steps:
             self._round_ahead[job.round] = result.carried_steps
         self.train_s += result.seconds
         ids = await self.exchange.publish_update(Path(result.out_path), job.round)
+        shards = shards_of(self.tid, job.round, self.me, list(job.members), self.spec.dataset.num_shards)
         return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
-                       losses=tuple(x for _, x in result.losses[-8:]))
+                       losses=tuple(x for _, x in result.losses[-8:]),
+                       shards=tuple(sorted(shards)) if len(shards) <= MAX_CLAIMED_SHARDS else ())
 
     async def _verify(self, job: Verify):
         started = trio.current_time()
@@ -471,6 +484,7 @@ class TaskRunner:
         return await self.exchange.aggregate(job)
 
     async def _apply(self, job: Apply) -> Applied:
+        base = self.state
         new = await self.exchange.apply(self.state, job)
         # A round followed only to catch up is not evaluated: the evaluation would make the joiner
         # slower than the swarm's rounds, and it would never catch up.
@@ -481,6 +495,8 @@ class TaskRunner:
         # Nor is it offered to others (the swarm holds later weights): hashing and storing it would slow
         # the catching-up again, and an announcement without a state manifest is never fetched from.
         state_id = "" if job.behind else await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
+        if job.chosen and not job.behind:
+            self.checks.applied(job.round, base, sorted({p for a in job.chosen for p in a.included}), self._nursery)
         return Applied(round=job.round, weights_hash=new.weights_hash(), state_hash=new.state_hash(),
                        state_manifest=state_id, eval_loss=eval_loss, train_share=self.train_share(job.round))
 
@@ -575,8 +591,7 @@ class TaskRunner:
 
     async def _train(self, r: int, members: list[str]):
         spec = self.spec
-        mine = assign_shards(self.tid, r, members, spec.dataset.num_shards).get(self.me) or \
-            [derive_seed(self.tid, r, self.me) % spec.dataset.num_shards]
+        mine = shards_of(self.tid, r, self.me, members, spec.dataset.num_shards)
         if self.hf is not None:
             shard_ranges = self.hf.train_ranges(mine)
         else:

@@ -11,8 +11,8 @@ from protocol.codec import decode, encode
 from protocol.envelope import open_sealed, seal
 from protocol.errors import ConfigError, DecodeError, SignatureError
 from protocol.keys import Keypair
-from protocol.task import (AggregateAnnounce, AggregationSpec, TaskJoin, TaskSpec, UpdateAnnounce, WeightsAnnounce,
-                           load_spec_toml, task_id)
+from protocol.task import (AggregateAnnounce, AggregationSpec, TaskJoin, TaskSpec, TrainingProof, UpdateAnnounce,
+                           WeightsAnnounce, load_spec_toml, task_id)
 
 SPEC_TOML = """
 [task]
@@ -144,6 +144,29 @@ def test_the_training_share_is_an_optional_tail_of_weights_announcements():
     # Without a share it goes on the wire as before the field existed.
     assert len(msgpack.unpackb(encode(without))) == 2 + len(dataclasses.fields(WeightsAnnounce)) - 1
     assert decode(encode(without)) == without and decode(encode(with_share)) == with_share
+
+
+def test_the_shards_an_update_trained_on_are_an_optional_tail():
+    h = "ef" * 32
+    fields = dict(task_id="cd" * 32, round=1, producer="p", base_hash=h, samples=5, manifest_ids=(h,), losses=(1.0,))
+    without, with_shards = UpdateAnnounce(**fields), UpdateAnnounce(**fields, shards=(2, 5, 9))
+    assert len(msgpack.unpackb(encode(without))) == 2 + len(dataclasses.fields(UpdateAnnounce)) - 1
+    assert decode(encode(without)) == without and decode(encode(with_shards)) == with_shards
+    for bad in ((5, 2), (2, 2), (-1,), tuple(range(2000))):
+        with pytest.raises(ValueError, match="shards"):
+            UpdateAnnounce(**fields, shards=bad)
+
+
+def test_a_training_proof_carries_a_sealed_update_and_a_finite_gain():
+    key = Keypair.from_label("checker")
+    h = "ef" * 32
+    update = seal(UpdateAnnounce(task_id="cd" * 32, round=1, producer="p", base_hash=h, samples=5, manifest_ids=(h,),
+                                 losses=(), shards=(1,)), key)
+    proof = TrainingProof(task_id="cd" * 32, accuser=key.peer_id, update=update, gain=-0.2)
+    assert decode(encode(proof)) == proof
+    for bad in (dict(update=b""), dict(gain=float("nan")), dict(update=b"x" * (61 * 1024))):
+        with pytest.raises(ValueError):
+            TrainingProof(**{**dict(task_id="cd" * 32, accuser=key.peer_id, update=update, gain=-0.2), **bad})
 
 
 LEGACY = "[task.aggregation]\nrule = \"mean\"\nnorm_bound = 0\nspot_check = 0\nscreen = false\n"

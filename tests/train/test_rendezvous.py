@@ -2,7 +2,7 @@
 
 import pytest
 
-from protocol.rendezvous import assign_shards, make_key, rank, score, top
+from protocol.rendezvous import assign_shards, checker, make_key, rank, score, top
 
 PEERS = [f"peer-{i}" for i in range(7)]
 
@@ -61,3 +61,14 @@ def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError):
         top(b"k", ["a"], -1)
     assert assign_shards("t", 0, [], 3) == {}
+
+
+def test_a_producer_is_checked_by_one_other_candidate_the_same_whatever_the_order():
+    peers = [f"peer-{i}" for i in range(6)]
+    chosen = {p: checker("t", 3, p, peers) for p in peers}
+    assert all(c != p and c in peers for p, c in chosen.items())
+    assert all(checker("t", 3, p, list(reversed(peers)) + [p]) == c for p, c in chosen.items())
+    # Spread over the candidates, and drawn again each round.
+    assert len(set(chosen.values())) > 1
+    assert any(checker("t", r, "peer-0", peers) != chosen["peer-0"] for r in range(4, 12))
+    assert checker("t", 3, "peer-0", ["peer-0"]) is None and checker("t", 3, "peer-0", []) is None

@@ -1,0 +1,76 @@
+"""Did an update train on its producer's data? Its own-data gain (Gauntlet-style), for tiny-lm tasks.
+
+An honest producer's update lowers the loss on the batches it trained on: applied to the round's weights
+θ_r, it gives back the local model that saw them. A replayed (stale) update, a copy of another producer's
+or one made up without training has no such reason: it moves θ_r to weights those batches never shaped,
+and measured, it raises their loss. The batches are the producer's own, rebuilt from the rendezvous
+assignment and its seed (node.train.data.derive_seed), so nobody can pick easier ones.
+
+    gain = loss(θ_r, B) − loss(θ_r − Δ̂, B)     B: the first CHECK_BATCHES batches its inner steps drew
+
+Δ̂ is the update as its slices decode (what aggregation would use), so compression is inside the figure.
+An update with a gain below UNTRAINED_GAIN did not train from θ_r on its batches: no honest update came
+within the margin measured by scripts/screen_margins.py (docs/bench/screen-margins.json). Floats differ
+between machines by far less than TOLERANCE, which a checker allows on either side of the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from node.train.data import batches
+from node.train.diloco import Named, flatten, unflatten
+from node.train.inner import lm_loss, model_from_weights
+from node.train.model import ModelConfig
+
+CHECK_MIN_STEPS = 8
+"""Updates of fewer inner steps are not judged: they barely move from θ_r, and a first step's momentum (carried
+from the last round) can move away from its batch. Honest updates of 1 and 2 steps from scratch measured below
+the threshold (scripts/screen_margins.py); none of 8 steps or more did."""
+CHECK_BATCHES = 4
+"""Batches of the producer's round it is judged on: its first inner steps' (fewer if it took fewer steps)."""
+UNTRAINED_GAIN = -0.05
+"""Nats per byte: an update whose gain on its own batches is below this did not train on them from θ_r."""
+TOLERANCE = 0.005
+"""What a checker allows around UNTRAINED_GAIN: a proof needs the accuser's gain below the threshold minus
+this, and a confirmer's below the threshold plus this, so no float difference between honest machines turns
+an accusation into a false one or back."""
+
+
+def own_batches(data: bytes, seq_len: int, batch_size: int, seed: int, steps: int) -> list[torch.Tensor]:
+    """The first min(CHECK_BATCHES, steps) batches the producer's inner steps drew from ``data``."""
+    sampler = batches(data, seq_len, batch_size, seed)
+    return [next(sampler) for _ in range(max(1, min(CHECK_BATCHES, steps)))]
+
+
+@torch.no_grad()
+def _loss(config: ModelConfig, weights: Named, batches_: list[torch.Tensor]) -> float:
+    model = model_from_weights(config, weights)
+    model.eval()
+    return math.fsum(lm_loss(model, b).item() for b in batches_) / len(batches_)
+
+
+def own_gain(config: ModelConfig, base: Named, delta_flat: torch.Tensor, batches_: list[torch.Tensor]) -> float:
+    """loss(base) − loss(base − Δ̂) on the batches; ``delta_flat`` in sorted-name order (diloco.flatten)."""
+    flat, layout = flatten(base)
+    if delta_flat.numel() != flat.numel():
+        raise ValueError(f"an update of {delta_flat.numel()} values does not fit weights of {flat.numel()}")
+    moved = unflatten(flat - delta_flat.to(torch.float32), layout)
+    return _loss(config, base, batches_) - _loss(config, moved, batches_)
+
+
+def judged(steps: int) -> bool:
+    """Whether an update of ``steps`` inner steps is judged at all."""
+    return steps >= CHECK_MIN_STEPS
+
+
+def untrained(gain: float) -> bool:
+    """What a producer's own check decides: below the threshold by more than the tolerance (an accusation)."""
+    return gain < UNTRAINED_GAIN - TOLERANCE
+
+
+def confirms(gain: float) -> bool:
+    """Whether a checker's own gain backs an accusation: below the threshold within the tolerance."""
+    return gain < UNTRAINED_GAIN + TOLERANCE

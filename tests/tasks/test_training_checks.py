@@ -1,0 +1,101 @@
+"""Training checks through the task service (node/tasks/checks.py): a member that replays its first update is
+measured on its own batches by its checker, proven to every node and banned by all; a proof against an honest
+producer, or one that proves nothing, costs its sender and bans nobody."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from node.tasks.exchange import Exchange
+from protocol.envelope import open_sealed, seal
+from protocol.keys import Keypair
+from protocol.task import TrainingProof, UpdateAnnounce, task_id, task_topic
+from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until
+
+
+def _stale(monkeypatch, peer_id: str) -> None:
+    """``peer_id``'s node publishes its first round's update again in every later round (it trains, but what it
+    sends is the first round's)."""
+    publish, first = Exchange.publish_update, {}
+
+    async def publish_update(self, delta_path, round_):
+        if self.me != peer_id:
+            return await publish(self, delta_path, round_)
+        if not first:
+            first["path"] = delta_path.with_name("first-update.safetensors")
+            first["path"].write_bytes(delta_path.read_bytes())
+        return await publish(self, first["path"], round_)
+
+    monkeypatch.setattr(Exchange, "publish_update", publish_update)
+
+
+async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node(network, tmp_path, monkeypatch):
+    spec = tiny_spec(rounds=6, min_members=3)
+    tid = task_id(spec)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abcd"]
+        await swarm.connected()
+        stale = nodes[3].keypair.peer_id
+        _stale(monkeypatch, stale)
+        honest = nodes[:3]
+        await honest[0].tasks.publish(spec)
+        await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        checks = [runner(n, tid).checks for n in honest]
+        status = [c.status() for c in checks]
+        print(json.dumps(status))
+        # Found by its checkers, proven to the others, and never a finding against an honest producer.
+        assert sum(s["untrained"] for s in status) >= 1, status
+        assert sum(s["confirmed"] for s in status) >= 1, status
+        assert all(s["refuted"] == 0 for s in status), status
+        assert {f["producer"] for s in status for f in s["findings"]} == {stale}, status
+        assert all(f["gain"] < -0.05 for s in status for f in s["findings"]), status
+        # Banned on every honest node; no honest node was charged for its training.
+        assert all(n.membership.is_banned(stale) for n in honest)
+        assert all(not n.membership.is_banned(m.keypair.peer_id) for n in honest for m in honest)
+        assert all(c.strikes.keys() == {stale} for c in checks), [c.strikes for c in checks]
+        # Honest updates were checked and passed: the check judges, it does not merely accuse.
+        assert sum(s["passed"] for s in status) >= 2, status
+        hashes = {x["weights_hash"] for n in honest for x in runner(n, tid).agreement if x["round"] == spec.rounds - 1}
+        assert len(hashes) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_false_training_proof_costs_its_sender_and_bans_nobody(network, tmp_path):
+    spec = tiny_spec(rounds=5)
+    tid = task_id(spec)
+    hostile = Keypair.from_label("false-checker")
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abc"]
+        await swarm.connected()
+        async with network.open_host(hostile) as h:
+            await h.connect(nodes[0].host.listen_addrs()[0])
+            await nodes[0].tasks.publish(spec)
+            # An honest update of a round the nodes have applied (the second round's, so round 0 is behind them).
+            await wait_until(lambda: runner(nodes[0], tid) is not None and any(
+                k[0] == 1 for k in runner(nodes[0], tid).checks._sealed), timeout_s=90)
+            (_, victim), (update, sealed) = next((k, v) for k, v in runner(nodes[0], tid).checks._sealed.items()
+                                                 if k[0] == 1)
+            await wait_until(lambda: all(runner(n, tid).state is not None and runner(n, tid).state.round >= 2
+                                         for n in nodes), timeout_s=60)
+            impostor = seal(UpdateAnnounce(**{f: getattr(update, f) for f in update.__slots__}), hostile)
+            for inner in (sealed, b"\x00 not an envelope", impostor):
+                proof = TrainingProof(task_id=tid, accuser=hostile.peer_id, update=inner, gain=-1.0)
+                await h.publish(task_topic(tid), seal(proof, hostile))
+            await wait_until(lambda: all(finished(n, tid) for n in nodes), timeout_s=120)
+        drops = [n.traffic.drops for n in nodes]
+        assert all(d["malformed"] >= 1 and d["impersonation"] >= 1 for d in drops), drops
+        # Measured again by every node but the victim (which does not judge itself): it trained, so the accuser pays.
+        refuted = [runner(n, tid).checks.counts["refuted"] for n in nodes]
+        assert sum(refuted) == len(nodes) - 1 and refuted[[n.keypair.peer_id for n in nodes].index(victim)] == 0
+        assert all(d["false_accusation"] >= 1 for n, d in zip(nodes, drops) if n.keypair.peer_id != victim), drops
+        for node in nodes:
+            assert not any(node.membership.is_banned(m.keypair.peer_id) for m in nodes)
+            assert runner(node, tid).checks.strikes == {}
+        assert open_sealed(sealed).message.producer == victim
+        hashes = {x["weights_hash"] for n in nodes for x in runner(n, tid).agreement if x["round"] == spec.rounds - 1}
+        assert len(hashes) == 1
+        nursery.cancel_scope.cancel()
