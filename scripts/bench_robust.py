@@ -17,6 +17,10 @@ aggregate compression, through the real outer step (compute.apply_aggregates). A
     overclaim      a tenth of the inner steps, full samples claimed
     copy           an honest producer's update with noise at 1% of its norm (a free-rider that trains nothing)
 
+``centered_clip+screen+checks`` adds the nodes' training checks (node/tasks/checks.py): after each round
+every producer's whole update, as its slices decode, is measured on its own batches from the round's weights,
+and a producer found twice is left out from then on (its slices count as excluded).
+
 Reported per setup (producers x attackers), rule and attack: the final held-out loss, its change
 against the same rule's clean run (%), and each rule's clean loss against the plain mean's (%).
 The default is chosen from these numbers (``choose``) and printed with them, as JSON on stdout.
@@ -43,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from node.tasks import compute, robust  # noqa: E402
+from node.tasks import compute, robust, training_check  # noqa: E402
 from node.train.codecs import CODECS, Codec  # noqa: E402
 from node.train.compress import ErrorFeedback  # noqa: E402
 from node.train.data import derive_seed  # noqa: E402
@@ -64,7 +68,11 @@ RULES = {
     "median": AggregationSpec(rule="median", norm_bound=NORM_BOUND),
     "centered_clip": AggregationSpec(rule="centered_clip", norm_bound=NORM_BOUND),
     "centered_clip+screen": AggregationSpec(rule="centered_clip", norm_bound=NORM_BOUND, screen=True),
+    "centered_clip+screen+checks": AggregationSpec(rule="centered_clip", norm_bound=NORM_BOUND, screen=True),
 }
+CHECKED = {"centered_clip+screen+checks"}
+"""Rules run with the nodes' training checks (node/tasks/checks.py): after each round every producer's whole
+update is measured on its own batches from the round's weights, and one found twice is left out from then on."""
 DEMO_MODEL = ModelConfig(n_layer=2, n_head=2, d_model=64, seq_len=64)
 """examples/tiny-task.toml's model."""
 HONEST_COST_PCT = 1.0
@@ -139,9 +147,9 @@ class Excluded:
 
 
 def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int, attackers: int, seed: int,
-            start=None, excluded: Excluded | None = None) -> float | None:
+            start=None, excluded: Excluded | None = None, checks: bool = False) -> float | None:
     """The final held-out loss of one run; None when the weights diverged (non-finite). ``excluded`` counts
-    the slices left out."""
+    the slices left out (those of a producer the training checks banned included)."""
     excluded = excluded if excluded is not None else Excluded()
     setup = _setup(bench, seed)
     shards, heldout = _data(setup)
@@ -156,6 +164,8 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
     feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
     first: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(derive_seed(task, "noise"))
+    strikes: dict[str, int] = {}
+    banned: set[str] = set()
 
     def train(peer: str, r: int, steps: int, assignment) -> tuple[torch.Tensor, list, int]:
         result = train_inner(model_config=bench.model, base_weights=state.weights,
@@ -210,15 +220,25 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
             bounds = compute.slice_bounds(numel, bench.num_slices)
             aggregates = []
             for s, (a, b) in enumerate(bounds):
-                data, left_out = robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads}, b - a,
-                                                        rule, codec, out)
+                data, left_out = robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads
+                                                         if p not in banned}, b - a, rule, codec, out)
                 aggregates.append(data)
-                excluded.malicious += len(bad & set(left_out))
+                left_out = set(left_out) | banned
+                excluded.malicious += len(bad & left_out)
                 excluded.malicious_total += len(bad)
-                excluded.honest += len(set(left_out) - bad)
+                excluded.honest += len(left_out - bad)
                 excluded.honest_total += len(payloads) - len(bad)
         except ValueError:  # an update or the aggregate went non-finite: the run diverged
             return None
+        if checks:
+            for p in sorted(set(payloads) - banned):
+                delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec) for s, (a, b) in enumerate(bounds)])
+                own = training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
+                                                 bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
+                if training_check.untrained(training_check.own_gain(bench.model, state.weights, delta, own)):
+                    strikes[p] = strikes.get(p, 0) + 1
+                    if strikes[p] >= 2:
+                        banned.add(p)
         state = compute.apply_aggregates(state, aggregates, state.work + len(updates), out)
     loss = evaluate(bench.model, state.weights, heldout, bench.eval_batches, seed=seed + 1, batch_size=16)
     return loss if math.isfinite(loss) else None
@@ -238,7 +258,7 @@ def choose(results: dict) -> tuple[str, str]:
     """The rule to default to, and why: among the rules whose clean runs cost honest training at most
     HONEST_COST_PCT against the plain mean, the one whose worst attack (over setups) hurts least."""
     worst: dict[str, float] = {}
-    for name in RULES:
+    for name in [n for n in RULES if n not in CHECKED]:  # the checks are the nodes', not an aggregation option
         costs = [results[s][name]["clean_vs_mean_pct"] for s in results]
         if any(c is None or c > HONEST_COST_PCT for c in costs):
             continue
@@ -292,7 +312,7 @@ def main() -> None:
             for attack in ATTACKS:
                 excluded = Excluded()
                 losses = [run_one(bench, rule, attack, producers=producers, attackers=attackers, seed=seed,
-                                  start=starts[seed], excluded=excluded) for seed in seeds]
+                                  start=starts[seed], excluded=excluded, checks=name in CHECKED) for seed in seeds]
                 loss = None if any(x is None for x in losses) else statistics.fmean(losses)
                 attacks[attack] = {"loss": None if loss is None else round(loss, 4), "losses": losses,
                                    "malicious_excluded_share": _share(excluded.malicious, excluded.malicious_total),
@@ -310,7 +330,7 @@ def main() -> None:
     report = {
         "command": " ".join(["python", "scripts/bench_robust.py", *sys.argv[1:]]),
         "bench": {**dataclasses.asdict(bench), "model": dataclasses.asdict(bench.model)}, "seeds": seeds,
-        "rules": {n: dataclasses.asdict(r) for n, r in RULES.items()},
+        "rules": {n: {**dataclasses.asdict(r), "training_checks": n in CHECKED} for n, r in RULES.items()},
         "results": results, "default": default, "why": why, "seconds": round(time.monotonic() - t0, 1),
     }
     text = json.dumps(report, indent=1)

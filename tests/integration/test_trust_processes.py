@@ -126,3 +126,34 @@ def test_a_sign_flipping_trainer_is_screened_out_charged_and_never_credited(tmp_
 def test_a_trainer_pouring_noise_into_its_update_is_screened_out_charged_and_never_credited(tmp_path):
     # Gaussian noise of 10x its update's rms: about 10x the others' norm, where no honest slice comes near.
     screened_out_and_never_credited(*hostile_run(tmp_path, "gaussian"), "outsized")
+
+
+@pytest.mark.timeout(300)
+def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_everywhere(tmp_path):
+    # Its replays pass the screen (a real update, of a real size and direction), so the training checks must
+    # find them: its checker measures each on the batches it drew, proves it to the others, and every honest node
+    # measures it again and bans it at the second finding.
+    honest, other, run = hostile_run(tmp_path, "stale")
+    tasks = [node.status["task"] for node in honest]
+    checks = [task["training_checks"] for task in tasks]
+    print(json.dumps({"training_checks": checks, "eval_losses": tasks[0]["eval_losses"]}))
+    assert all(c["enabled"] for c in checks)
+    assert sum(c["untrained"] for c in checks) >= 1 and sum(c["confirmed"] for c in checks) >= 1, checks
+    assert all(c["refuted"] == 0 for c in checks), checks
+    assert {f["producer"] for c in checks for f in c["findings"]} == {other.peer_id}, checks
+    # Every honest node judged the findings itself (found or confirmed), so every one of them banned it.
+    assert all(len({f["round"] for f in c["findings"]}) >= 2 for c in checks), checks
+    assert all(other.peer_id in node.status["banned_peers"] for node in honest)
+    assert all(not set(node.status["banned_peers"]) & {n.peer_id for n in honest} for node in honest)
+    # Credited for no round after its ban: the last finding is the latest round it can appear in.
+    last = max(f["round"] for c in checks for f in c["findings"])
+    credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
+                if r.producer == other.peer_id}
+    assert all(r <= last for r in credited), (credited, last)
+    rounds = {}
+    for task in tasks:
+        for row in task["agreement"]:
+            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    losses = [x for _, x in tasks[0]["eval_losses"]]
+    assert losses and losses[-1] < losses[0], losses
