@@ -20,7 +20,9 @@ honest_only (the honest nodes alone, the attackers never started). Per run, read
     honest_excluded_share     the same for the honest producers
     time_to_ban_s             from publishing the task until the last honest node banned every attacker
                               (None: some honest node never did); over seeds, the slowest
-    verification_share        seconds spent recomputing aggregates over seconds training, honest nodes
+    verification_share        seconds spent recomputing aggregates and measuring others' updates (the
+                              training checks) over seconds training, honest nodes
+    check_seconds             of which the training checks, per honest node
 
 Final losses of two runs of one clean seed differed by 2% here, so each attack runs with several task
 seeds and the JSON keeps the mean, the spread and every run.
@@ -146,12 +148,20 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         "malicious_excluded_share": excluded(bad) if bad and attack not in ("forge", "equivocate") else None,
         "honest_excluded_share": excluded(honest),
         "time_to_ban_s": None if banned_at is None else round(banned_at, 1),
-        "verification_share": round(sum(t.get("verify_seconds", 0.0) for t in tasks) / train_s, 4) if train_s else None,
+        "verification_share": round(sum(t.get("verify_seconds", 0.0) + _checks(t).get("seconds", 0.0) for t in tasks)
+                                    / train_s, 4) if train_s else None,
         "verifications": [t.get("verifications", 0) for t in tasks],
+        "check_seconds": [_checks(t).get("seconds", 0.0) for t in tasks],
+        "training_checks": [{k: _checks(t).get(k, 0) for k in ("passed", "untrained", "confirmed", "refuted",
+                                                                 "unjudged")} for t in tasks],
         "screened": [t.get("screened", {}) for t in tasks],
         "forgeries_found": sum(len(t.get("forgeries", [])) for t in tasks),
         "seconds": round(took, 1),
     }
+
+
+def _checks(task: dict) -> dict:
+    return task.get("training_checks") or {}
 
 
 def _mean(values: list) -> float | None:

@@ -54,6 +54,7 @@ from node.train.data import derive_seed  # noqa: E402
 from node.train.diloco import OuterNesterov, flatten, pseudo_gradient, unflatten  # noqa: E402
 from node.train.inner import AdamWConfig, evaluate, train_inner  # noqa: E402
 from node.train.model import ModelConfig  # noqa: E402
+from protocol.errors import IntegrityError  # noqa: E402
 from node.train.simulate import SimSetup, _data, start_weights  # noqa: E402
 from protocol.rendezvous import assign_shards  # noqa: E402
 from protocol.task import (AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, TOML_AGGREGATE_COMPRESSION,  # noqa: E402
@@ -218,20 +219,24 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                         for p, (flat, _) in sorted(updates.items())}
             numel = sum(t.numel() for t in state.weights.values())
             bounds = compute.slice_bounds(numel, bench.num_slices)
-            aggregates = []
+            aggregates, unchecked = [], set(banned)
             for s, (a, b) in enumerate(bounds):
-                data, left_out = robust.aggregate_slice({p: (payloads[p][s], updates[p][1]) for p in payloads
-                                                         if p not in banned}, b - a, rule, codec, out)
-                aggregates.append(data)
-                left_out = set(left_out) | banned
+                got = robust.combine({p: (payloads[p][s], updates[p][1]) for p in payloads if p not in banned}, b - a,
+                                     rule, codec, out)
+                if got.data is None:
+                    raise IntegrityError("every slice was screened out")
+                aggregates.append(got.data)
+                left_out = {*got.bad, *got.screened, *banned}
+                # A node checks the producers its applied aggregates included, and near copies of each other.
+                unchecked |= {*got.bad, *(p for p, why in got.screened.items() if why != "duplicate")}
                 excluded.malicious += len(bad & left_out)
                 excluded.malicious_total += len(bad)
                 excluded.honest += len(left_out - bad)
                 excluded.honest_total += len(payloads) - len(bad)
         except ValueError:  # an update or the aggregate went non-finite: the run diverged
             return None
-        if checks:
-            for p in sorted(set(payloads) - banned):
+        if checks and training_check.judged(bench.inner_steps):
+            for p in sorted(set(payloads) - unchecked):
                 delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec) for s, (a, b) in enumerate(bounds)])
                 own = training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
                                                  bench.batch_size, derive_seed(task, r, p), bench.inner_steps)

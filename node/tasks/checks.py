@@ -86,9 +86,11 @@ class TrainingChecks:
             self._members[round_] = list(members)
             _trim(self._members)
 
-    def applied(self, round_: int, base: compute.OuterState, contributors: list[str], nursery: trio.Nursery) -> None:
+    def applied(self, round_: int, base: compute.OuterState, contributors: list[str], nursery: trio.Nursery,
+                copies: list[str] = ()) -> None:
         """Round ``round_`` was applied from ``base`` (θ_r) with these contributors: check those this node is
-        the checker of."""
+        the checker of. ``copies``: producers the screen left out as near copies of each other, checked too
+        (drawn among the contributors alike): the copy did not train on its own batches, the original did."""
         if not self.enabled or round_ not in self._members:
             return
         self._bases[round_] = base
@@ -104,7 +106,7 @@ class TrainingChecks:
             nursery.start_soon(self._check, round_, producer, accuser)
         if self.me not in contributors:
             return  # a member that did not contribute holds no vote on others' work this round
-        for producer in contributors:
+        for producer in sorted({*contributors, *copies}):
             if producer != self.me and checker(self.tid, round_, producer, contributors) == self.me:
                 nursery.start_soon(self._check, round_, producer, None)
 

@@ -37,7 +37,7 @@ or stalls must cost the slice its contribution, not make the aggregate miss that
 KEEP_STATES = 2
 """States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
 SCREENED = {"empty": "next to nothing (zeros)",
-            "duplicate": "a near copy of another producer's slice (both left out, neither charged)",
+            "duplicate": "a near copy of another producer's slice (both left out; the training checks tell which)",
             "opposed": "it points against the others' median",
             "outsized": "many times larger than the others (noise poured in)"}
 STATE_RETENTION_DEADLINES = 2.0

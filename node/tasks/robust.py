@@ -121,7 +121,7 @@ def screen(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) 
     """Producers whose slice is no contribution, with why, decided the same way on every node:
 
     - "duplicate": a cosine of DUPLICATE_COSINE or more with another producer's slice. Both are left out
-      and neither is charged: nobody can tell the copy from the original, and the copier gains nothing.
+      and neither is charged: the screen cannot tell the copy from the original (node/tasks/checks.py can).
       Compared pairwise up to MAX_PAIRWISE producers; beyond, only slices that decode to the very same
       values (a copy as it was sent).
     - "empty": a norm of at most EMPTY_SHARE x the median norm of the producers still in (zeros, or next

@@ -496,7 +496,9 @@ class TaskRunner:
         # the catching-up again, and an announcement without a state manifest is never fetched from.
         state_id = "" if job.behind else await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
         if job.chosen and not job.behind:
-            self.checks.applied(job.round, base, sorted({p for a in job.chosen for p in a.included}), self._nursery)
+            self.checks.applied(job.round, base, sorted({p for a in job.chosen for p in a.included}), self._nursery,
+                                copies=sorted({p for a in job.chosen for p, why in zip(a.screened, a.screened_why)
+                                               if why == "duplicate"}))
         return Applied(round=job.round, weights_hash=new.weights_hash(), state_hash=new.state_hash(),
                        state_manifest=state_id, eval_loss=eval_loss, train_share=self.train_share(job.round))
 

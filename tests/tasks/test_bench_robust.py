@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from node.train.model import ModelConfig
 from protocol.task import AggregationSpec
-from scripts.bench_robust import RULES, Bench, choose, run_one
+from scripts.bench_robust import RULES, Bench, Excluded, choose, run_one
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,3 +38,13 @@ def test_choose_takes_the_smallest_worst_case_among_rules_cheap_for_honest_train
     results["4x1"]["median"] = _entry(0.5, zeros=0.05)
     results["4x1"]["centered_clip"] = _entry(3.0, zeros=0.0)  # robust, but too costly when nobody attacks
     assert choose(results)[0] == "median"
+
+
+def test_the_training_checks_leave_a_replaying_producer_out_and_no_honest_one():
+    bench = dataclasses.replace(TINY, rounds=6, inner_steps=8)
+    rule = RULES["centered_clip+screen+checks"]
+    for attack, caught in (("stale", True), ("clean", False)):
+        excluded = Excluded()
+        assert run_one(bench, rule, attack, producers=4, attackers=1, seed=0, excluded=excluded, checks=True)
+        assert excluded.honest == 0
+        assert (excluded.malicious > 0) is caught, excluded
