@@ -147,8 +147,13 @@ def print_task(t: dict, console: Console | None = None) -> None:
             head.add_row("training checks", ", ".join(f"{k}: {checks.get(k, 0)}" for k in (
                 "passed", "untrained", "confirmed", "refuted", "unjudged")) + f" ({checks.get('seconds', 0):.1f} s)")
         for f in checks.get("findings", [])[-5:]:
-            head.add_row("untrained update", f"round {f['round']} by {f['producer']}: its own batches' loss "
-                         f"{-f['gain']:+.4f} after it (found by {f['found_by']})")
+            if f.get("copy_of"):
+                head.add_row("copied update", f"round {f['round']} by {f['producer']}: a copy of {f['copy_of']}'s "
+                             f"(fits their batches {-f['advantage']:.4f} better than its own; "
+                             f"found by {f['found_by']})")
+            else:
+                head.add_row("untrained update", f"round {f['round']} by {f['producer']}: its own batches' loss "
+                             f"{-f['gain']:+.4f} after it (found by {f['found_by']})")
         errors = t.get("receipt_errors", 0)
         head.add_row("receipts", f"{t.get('receipts', 0)} sealed (`shoal ledger {t['id'][:12]}` lists them)"
                      + (f"; {errors} round(s) not written (see the log)" if errors else ""))

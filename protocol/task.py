@@ -482,26 +482,35 @@ class AggregateProof:
         _need(_is_hex_hash(self.result_hash), "result_hash must be a hex sha256")
 
 
-@message(tag=35)
+@message(tag=35, optional_tail=("original", "advantage"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingProof:
-    """``accuser`` applied an update to its round's weights and found that it raises the loss on the very
-    batches its producer says it trained on (node/tasks/training_check.py): it did not train on them.
+    """``accuser`` applied an update to its round's weights and found that it did not train on the batches its
+    producer says it trained on (node/tasks/training_check.py): it raises their loss, or, with ``original``, it
+    fits another producer's batches better than its own, beyond what the round's applied mean shows of the two
+    sets (a copy of that producer's update, which the screen left out with it as near copies).
 
-    ``update`` is the UpdateAnnounce as its producer sealed it (signature included), so the claim is the
-    producer's own; anyone holding the round's weights can fetch the update and measure ``gain`` again."""
+    ``update`` (and ``original``) are UpdateAnnounces as their producers sealed them (signatures included), so
+    the claim is the producers' own; anyone holding the round's weights can fetch the updates and measure
+    again."""
 
     task_id: str
     accuser: str
     update: bytes
     gain: float
-    """What the accuser measured: loss before minus loss after, nats (negative: the update made them worse)."""
+    """What the accuser measured: loss before minus loss after on the producer's own batches, nats."""
+    original: bytes = b""
+    """A copy's original: the sealed UpdateAnnounce of the producer whose batches the update fits better."""
+    advantage: float = 0.0
+    """With ``original``: training_check.own_advantage of the update over the original, as the accuser measured
+    it (negative: it fits the original's batches better)."""
 
     def __post_init__(self) -> None:
         _check_task(self.task_id)
         _check_id(self.accuser, "accuser")
-        _need(0 < len(self.update) <= MAX_PROOF_BYTES, "update must be a sealed envelope")
-        _need(_finite(self.gain), "gain must be finite")
+        _need(0 < len(self.update) and len(self.update) + len(self.original) <= MAX_PROOF_BYTES,
+              "update must be a sealed envelope (with original, both within the proof size)")
+        _need(_finite(self.gain) and _finite(self.advantage), "gain and advantage must be finite")
 
 
 @message(tag=28, optional_tail=("train_share",))

@@ -18,8 +18,9 @@ aggregate compression, through the real outer step (compute.apply_aggregates). A
     copy           an honest producer's update with noise at 1% of its norm (a free-rider that trains nothing)
 
 ``centered_clip+screen+checks`` adds the nodes' training checks (node/tasks/checks.py): after each round
-every producer's whole update, as its slices decode, is measured on its own batches from the round's weights,
-and a producer found twice is left out from then on (its slices count as excluded).
+every producer's whole update, as its slices decode, is measured on its own batches from the round's weights
+(and one the screen left out as a near copy, against the other near copies' batches), and a producer found
+twice is left out from then on (its slices count as excluded).
 
 Reported per setup (producers x attackers), rule and attack: the final held-out loss, its change
 against the same rule's clean run (%), and each rule's clean loss against the plain mean's (%).
@@ -219,7 +220,7 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                         for p, (flat, _) in sorted(updates.items())}
             numel = sum(t.numel() for t in state.weights.values())
             bounds = compute.slice_bounds(numel, bench.num_slices)
-            aggregates, unchecked = [], set(banned)
+            aggregates, unchecked, copies = [], set(banned), set()
             for s, (a, b) in enumerate(bounds):
                 got = robust.combine({p: (payloads[p][s], updates[p][1]) for p in payloads if p not in banned}, b - a,
                                      rule, codec, out)
@@ -229,6 +230,7 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
                 left_out = {*got.bad, *got.screened, *banned}
                 # A node checks the producers its applied aggregates included, and near copies of each other.
                 unchecked |= {*got.bad, *(p for p, why in got.screened.items() if why != "duplicate")}
+                copies |= {p for p, why in got.screened.items() if why == "duplicate"}
                 excluded.malicious += len(bad & left_out)
                 excluded.malicious_total += len(bad)
                 excluded.honest += len(left_out - bad)
@@ -236,11 +238,16 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
         except ValueError:  # an update or the aggregate went non-finite: the run diverged
             return None
         if checks and training_check.judged(bench.inner_steps):
+            reference = torch.cat([compute.decode_slice(d, b - a, out) for d, (a, b) in zip(aggregates, bounds)])
+            drawn = {p: training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
+                                                   bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
+                     for p in payloads}
             for p in sorted(set(payloads) - unchecked):
                 delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec) for s, (a, b) in enumerate(bounds)])
-                own = training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
-                                                 bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
-                if training_check.untrained(training_check.own_gain(bench.model, state.weights, delta, own)):
+                others = sorted(copies - {p}) if p in copies else []
+                if training_check.untrained(training_check.own_gain(bench.model, state.weights, delta, drawn[p])) or \
+                        any(training_check.copied(training_check.own_advantage(
+                            bench.model, state.weights, delta, reference, drawn[p], drawn[o])) for o in others):
                     strikes[p] = strikes.get(p, 0) + 1
                     if strikes[p] >= 2:
                         banned.add(p)

@@ -12,14 +12,16 @@ and inner-step count asked. Per slice and round it measures what the screen deci
     min_norm_ratio        the smallest norm over the median norm (at most 0.01 is "empty")
     max_norm_ratio        the largest (at least 4 is "outsized")
 
-and per producer and round what the training check decides on (node/tasks/training_check.py):
+and per producer and round what the training checks decide on (node/tasks/training_check.py), for
+updates of 8 inner steps or more (the ones a node judges):
 
     min_own_gain          the lowest loss drop its whole update, as its slices decode, gives on its own
-                          first batches from the round's weights (below -0.05 is "untrained"; measured
-                          for updates of 8 inner steps or more, the ones a node judges)
+                          first batches from the round's weights (below -0.05 is "untrained")
+    min_own_advantage     the lowest own_advantage of its update over the next producer's batches, with
+                          the round's applied mean as the reference (below -0.02 is "a copy")
 
 and reports the extreme of each over every slice, round and run, with the screen's own count of honest
-slices it left out and the training check's count of honest updates it would accuse (both must be 0).
+slices it left out and the training checks' counts of honest updates they would accuse (all must be 0).
 
     python scripts/screen_margins.py --quick        # 4 and 8 producers, 4 rounds: about 4 min here
     python scripts/screen_margins.py --json-out docs/bench/screen-margins.json
@@ -83,8 +85,8 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
     codec, out = bench.codecs
     feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
     worst = {"max_pairwise_cosine": -1.0, "min_median_cosine": 1.0, "min_norm_ratio": math.inf, "max_norm_ratio": 0.0,
-             "min_own_gain": math.inf}
-    left_out = accused = 0
+             "min_own_gain": math.inf, "min_own_advantage": math.inf}
+    left_out = accused = copied = 0
     for r in range(bench.rounds):
         assignment = assign_shards(task, r, peers, bench.num_shards)
         flats, layout = {}, None
@@ -98,13 +100,6 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
         payloads = {p: encode_update(f, layout, bench, feedback.get(p)) for p, f in flats.items()}
         numel = sum(t.numel() for t in state.weights.values())
         bounds = compute.slice_bounds(numel, bench.num_slices)
-        for p in peers if training_check.judged(bench.inner_steps) else ():
-            delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec) for s, (a, b) in enumerate(bounds)])
-            own = training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
-                                             bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
-            gain = training_check.own_gain(bench.model, state.weights, delta, own)
-            worst["min_own_gain"] = min(worst["min_own_gain"], gain)
-            accused += training_check.untrained(gain)
         aggregates = []
         for s, (a, b) in enumerate(bounds):
             # What an aggregator sees: the slices decoded, not the float updates.
@@ -120,10 +115,28 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
             combined = robust.combine(got, b - a, SCREEN, codec, out)
             left_out += len(combined.screened)
             aggregates.append(combined.data)
+        if training_check.judged(bench.inner_steps):
+            # The round's mean as applied: the reference a copy is told by.
+            reference = torch.cat([compute.decode_slice(d, b - a, out) for d, (a, b) in zip(aggregates, bounds)])
+            drawn = {p: training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
+                                                   bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
+                     for p in peers}
+            for i, p in enumerate(peers):
+                delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec)
+                                   for s, (a, b) in enumerate(bounds)])
+                gain = training_check.own_gain(bench.model, state.weights, delta, drawn[p])
+                worst["min_own_gain"] = min(worst["min_own_gain"], gain)
+                accused += training_check.untrained(gain)
+                # Against the next producer's batches, as if the screen had found the two near copies.
+                other = peers[(i + 1) % len(peers)]
+                advantage = training_check.own_advantage(bench.model, state.weights, delta, reference, drawn[p],
+                                                         drawn[other])
+                worst["min_own_advantage"] = min(worst["min_own_advantage"], advantage)
+                copied += training_check.copied(advantage)
         state = compute.apply_aggregates(state, aggregates, state.work + producers, out)
     return {**{k: round(v, 4) if math.isfinite(v) else None for k, v in worst.items()},
             "honest_slices_screened_out": left_out,
-            "honest_updates_untrained": accused}
+            "honest_updates_untrained": accused, "honest_updates_copied": copied}
 
 
 def main() -> None:
@@ -168,14 +181,17 @@ def main() -> None:
         "thresholds": {"duplicate_cosine": robust.DUPLICATE_COSINE, "opposed_cosine": robust.OPPOSED_COSINE,
                        "empty_share": robust.EMPTY_SHARE, "outsized_share": robust.OUTSIZED_SHARE,
                        "untrained_gain": training_check.UNTRAINED_GAIN,
-                       "check_min_steps": training_check.CHECK_MIN_STEPS},
+                       "check_min_steps": training_check.CHECK_MIN_STEPS, "copy_margin": training_check.COPY_MARGIN},
         "worst": {"max_pairwise_cosine": max(r["max_pairwise_cosine"] for r in runs),
                   "min_median_cosine": min(r["min_median_cosine"] for r in runs),
                   "min_norm_ratio": min(r["min_norm_ratio"] for r in runs),
                   "max_norm_ratio": max(r["max_norm_ratio"] for r in runs),
                   "min_own_gain": min((r["min_own_gain"] for r in runs if r["min_own_gain"] is not None), default=None),
                   "honest_slices_screened_out": sum(r["honest_slices_screened_out"] for r in runs),
-                  "honest_updates_untrained": sum(r["honest_updates_untrained"] for r in runs)},
+                  "min_own_advantage": min((r["min_own_advantage"] for r in runs if r["min_own_advantage"] is not None),
+                                           default=None),
+                  "honest_updates_untrained": sum(r["honest_updates_untrained"] for r in runs),
+                  "honest_updates_copied": sum(r["honest_updates_copied"] for r in runs)},
         "runs": runs, "seconds": round(time.monotonic() - t0, 1),
     }
     text = json.dumps(report, indent=1)

@@ -45,10 +45,13 @@ MAX_CHECKS_PER_ROUND = 64
 
 class TrainingChecks:
     def __init__(self, *, spec: TaskSpec, task_id: str, me: str, fetch_update: Callable[[UpdateAnnounce], Awaitable],
-                 penalize: Callable[[str, str], None], publish: Callable[[object], Awaitable[None]],
-                 corpus: Callable[[], Path | None], enabled: bool, max_bytes: int):
+                 applied_mean: Callable[[int], object], penalize: Callable[[str, str], None],
+                 publish: Callable[[object], Awaitable[None]], corpus: Callable[[], Path | None], enabled: bool,
+                 max_bytes: int):
         self.spec, self.tid, self.me = spec, task_id, me
         self.fetch_update, self.penalize, self.publish, self.corpus = fetch_update, penalize, publish, corpus
+        self.applied_mean = applied_mean
+        """A round's mean update as applied here (Exchange.applied_mean): the reference a copy is told by."""
         self.enabled = enabled and spec.overlap == 0 and training_check.judged(spec.inner_steps)
         self.max_bytes = max_bytes
         self.model = compute.model_config(spec) if self.enabled else None
@@ -62,14 +65,17 @@ class TrainingChecks:
         self._bases: OrderedDict[int, compute.OuterState] = OrderedDict()
         self._members: OrderedDict[int, list[str]] = OrderedDict()
         self._sealed: OrderedDict[tuple[int, str], tuple[UpdateAnnounce, bytes]] = OrderedDict()
-        self._gains: dict[tuple[int, str], float | None] = {}
-        """Per (round, producer), the gain measured here (None: not judged), so a proof is measured once."""
-        self._proof_bytes: dict[tuple[int, str], bytes] = {}
-        """The sealed update of each measured one, until an accusation takes it."""
+        self._gains: dict[tuple[int, str], dict[str, float] | None] = {}
+        """Per (round, producer), its update's gain on its own batches and on others' (by whose), measured here
+        once (None: it cannot be judged here)."""
+        self._unjudged: dict[tuple[int, str], set[str]] = {}
+        """Per (round, producer), the owners whose batches cannot be judged here (not asked again)."""
+        self._copies: dict[int, list[str]] = {}
+        """Per round, the producers the screen left out as near copies of each other."""
         self._running: dict[tuple[int, str], trio.Event] = {}
         self._per_round: Counter[int] = Counter()
-        self._pending: dict[int, dict[str, str]] = {}
-        """Per round not applied here yet, the proofs that arrived early: producer -> accuser."""
+        self._pending: dict[int, list[tuple[str, str, str | None]]] = {}
+        """Per round not applied here yet, the proofs that arrived early: (producer, accuser, original)."""
 
     # -- what the runner tells it ----------------------------------------------------------------
 
@@ -96,14 +102,15 @@ class TrainingChecks:
         self._bases[round_] = base
         _trim(self._bases)
         oldest = round_ - KEEP_ROUNDS + 1
-        for table in (self._gains, self._sealed, self._proof_bytes):
+        for table in (self._gains, self._sealed, self._unjudged):
             for old in [k for k in table if k[0] < oldest]:
                 del table[old]
-        for table in (self._per_round, self._pending):
+        self._copies[round_] = list(copies)
+        for table in (self._per_round, self._pending, self._copies):
             for old in [r for r in table if r < oldest]:
                 del table[old]
-        for producer, accuser in self._pending.pop(round_, {}).items():
-            nursery.start_soon(self._check, round_, producer, accuser)
+        for claim in self._pending.pop(round_, []):
+            nursery.start_soon(self._check, round_, *claim)
         if self.me not in contributors:
             return  # a member that did not contribute holds no vote on others' work this round
         for producer in sorted({*contributors, *copies}):
@@ -112,24 +119,36 @@ class TrainingChecks:
 
     def proof(self, proof: TrainingProof, origin: str, nursery: trio.Nursery) -> None:
         """A peer's TrainingProof: measured again here, unless it is malformed or about this node."""
-        try:
-            inner = open_sealed(proof.update, max_bytes=self.max_bytes, expect=UpdateAnnounce)
-        except RemoteProtocolError:
-            self.penalize(origin, "malformed")
+        opened = [self._open(sealed, origin) for sealed in (proof.update, proof.original) if sealed]
+        if any(m is None for m in opened):
             return
-        msg = inner.message
-        if inner.signer != msg.producer or msg.task_id != self.tid:
-            self.penalize(origin, "impersonation")
+        msg, original = opened[0], (opened[1] if len(opened) > 1 else None)
+        if original is not None and (original.round != msg.round or original.producer == msg.producer):
+            self.penalize(origin, "malformed")
             return
         if not self.enabled or msg.producer == self.me:
             return
         self._sealed.setdefault((msg.round, msg.producer), (msg, proof.update))
+        if original is not None:
+            self._sealed.setdefault((msg.round, original.producer), (original, proof.original))
+        claim = (msg.producer, proof.accuser, original.producer if original is not None else None)
         if msg.round in self._bases:
-            nursery.start_soon(self._check, msg.round, msg.producer, proof.accuser)
+            nursery.start_soon(self._check, msg.round, *claim)
         elif self._members and max(self._members) <= msg.round <= max(self._members) + 1 and \
                 len(self._pending.get(msg.round, ())) < MAX_CHECKS_PER_ROUND:
             # A proof about the round this node is still closing: measured once it is applied here.
-            self._pending.setdefault(msg.round, {}).setdefault(msg.producer, proof.accuser)
+            self._pending.setdefault(msg.round, []).append(claim)
+
+    def _open(self, sealed: bytes, origin: str) -> UpdateAnnounce | None:
+        try:
+            inner = open_sealed(sealed, max_bytes=self.max_bytes, expect=UpdateAnnounce)
+        except RemoteProtocolError:
+            self.penalize(origin, "malformed")
+            return None
+        if inner.signer != inner.message.producer or inner.message.task_id != self.tid:
+            self.penalize(origin, "impersonation")
+            return None
+        return inner.message
 
     def status(self) -> dict:
         return {"enabled": self.enabled, **{k: self.counts[k] for k in
@@ -138,91 +157,143 @@ class TrainingChecks:
 
     # -- the check -------------------------------------------------------------------------------
 
-    async def _check(self, round_: int, producer: str, accuser: str | None) -> None:
-        key = (round_, producer)
-        if key not in self._gains:
-            running = self._running.get(key)
-            if running is not None:
-                await running.wait()
-            elif self._per_round[round_] >= MAX_CHECKS_PER_ROUND:
-                return
-            else:
-                self._per_round[round_] += 1
-                self._running[key] = trio.Event()
-                try:
-                    self._gains[key] = await self._measure(round_, producer)
-                finally:
-                    self._running.pop(key).set()
-        gain = self._gains.get(key)
-        if gain is None:
+    async def _check(self, round_: int, producer: str, accuser: str | None, original: str | None = None) -> None:
+        """Judge ``producer``'s update of ``round_``: as its checker (``accuser`` None), or a peer's proof that it
+        did not train, or (``original``) that it is that producer's copy."""
+        copies = self._copies.get(round_, ())
+        others = [original] if original is not None else \
+            [p for p in copies if p != producer] if producer in copies else []
+        gains = await self._measured(round_, producer, others)
+        if gains is None or producer not in gains or (original is not None and original not in gains):
             self.counts["unjudged"] += 1
             return
+        own = gains[producer]
         if accuser is None:
-            if not training_check.untrained(gain):
+            copy_of = next((p for p in others if p in gains and training_check.copied(gains[p])), None)
+            if not training_check.untrained(own) and copy_of is None:
                 self.counts["passed"] += 1
                 return
+            if training_check.untrained(own):
+                copy_of = None
             self.counts["untrained"] += 1
-            self._found(round_, producer, gain, by=self.me)
-            sealed = self._proof_bytes.pop(key, None)
-            if sealed is not None:
-                await self.publish(TrainingProof(task_id=self.tid, accuser=self.me, update=sealed, gain=gain))
-        elif training_check.confirms(gain):
+            self._found(round_, producer, own, by=self.me, copy_of=copy_of, advantage=gains.get(copy_of))
+            update = self._sealed.get((round_, producer))
+            origin = self._sealed.get((round_, copy_of)) if copy_of is not None else None
+            if update is not None and (copy_of is None or origin is not None):
+                await self.publish(TrainingProof(
+                    task_id=self.tid, accuser=self.me, update=update[1], gain=own,
+                    **({} if origin is None else {"original": origin[1], "advantage": gains[copy_of]})))
+        elif training_check.confirms(own) if original is None else training_check.confirms_copy(gains[original]):
             self.counts["confirmed"] += 1
-            self._found(round_, producer, gain, by=accuser)
+            self._found(round_, producer, own, by=accuser, copy_of=original, advantage=gains.get(original))
         else:
             self.counts["refuted"] += 1
-            log.warning("task %s round %d: %s says %s's update did not train on its data; measured here it lowers "
-                        "their loss by %.4f", self.tid[:12], round_, accuser, producer, gain)
+            what = "did not train on its data" if original is None else f"copied {original}'s"
+            log.warning("task %s round %d: %s says %s's update %s; measured here it gains %.4f on its own batches%s",
+                        self.tid[:12], round_, accuser, producer, what, own,
+                        "" if original is None else f" and fits them {gains[original]:+.4f} better than {original}'s")
             self.penalize(accuser, "false_accusation")
 
-    def _found(self, round_: int, producer: str, gain: float, *, by: str) -> None:
-        log.warning("task %s round %d: %s's update raises the loss on its own batches by %.4f: it did not train "
-                    "on them (found by %s)", self.tid[:12], round_, producer, -gain, "this node" if by == self.me else by)
+    def _found(self, round_: int, producer: str, gain: float, *, by: str, copy_of: str | None,
+               advantage: float | None) -> None:
+        found = "this node" if by == self.me else by
+        if copy_of is None:
+            log.warning("task %s round %d: %s's update raises the loss on its own batches by %.4f: it did not "
+                        "train on them (found by %s)", self.tid[:12], round_, producer, -gain, found)
+        else:
+            log.warning("task %s round %d: %s's update fits %s's batches better than its own (by %.4f beyond the "
+                        "round's mean): a copy of %s's (found by %s)", self.tid[:12], round_, producer, copy_of,
+                        -advantage, copy_of, found)
         self.findings = (self.findings + [{"round": round_, "producer": producer, "gain": round(gain, 4),
-                                           "found_by": by}])[-MAX_FINDINGS:]
+                                           "found_by": by, "copy_of": copy_of,
+                                           "advantage": None if advantage is None else round(advantage, 4)}
+                                          ])[-MAX_FINDINGS:]
         # However long its rounds, a producer found twice in one task is banned: the second finding's charge
         # alone reaches the ban.
         self.strikes[producer] += 1
         self.penalize(producer, "untrained_update" if self.strikes[producer] == 1 else "untrained_again")
 
-    async def _measure(self, round_: int, producer: str) -> float | None:
-        """The gain of ``producer``'s update of ``round_`` on its own batches; None when it cannot be judged."""
-        got = self._sealed.get((round_, producer))
-        base, members, corpus = self._bases.get(round_), self._members.get(round_), self.corpus()
-        if got is None or base is None or members is None or corpus is None:
+    async def _measured(self, round_: int, producer: str, others: list[str]) -> dict[str, float] | None:
+        """``producer``'s update's gain on its own batches (under its own name) and its own_advantage over each
+        of ``others`` whose batches can be judged here (under theirs), measured once each; None when the update
+        itself cannot be judged."""
+        key = (round_, producer)
+        while key in self._running:
+            await self._running[key].wait()
+        gains = self._gains.get(key, {})
+        if key in self._gains and (gains is None or all(o in gains or o in self._unjudged.get(key, ()) for o in others)):
+            return gains
+        if key not in self._gains and self._per_round[round_] >= MAX_CHECKS_PER_ROUND:
             return None
-        update, sealed = got
-        steps = update.samples // self.spec.batch_size
-        order = shards_of(self.tid, round_, producer, members, self.spec.dataset.num_shards)
-        if not training_check.judged(steps) or sorted(order) != list(update.shards) or update.base_hash != base.weights_hash():
-            return None
+        self._per_round[round_] += key not in self._gains
+        self._running[key] = trio.Event()
         try:
-            delta = await self.fetch_update(update)
+            owners = [o for o in [producer, *others] if o not in gains]
+            measured = await self._measure(round_, producer, owners, gains)
+            if measured is None and gains:
+                # Measured before, not again now: what was measured stands, the new owners go unjudged.
+                self._unjudged.setdefault(key, set()).update(owners)
+            else:
+                self._gains[key] = measured
+        finally:
+            self._running.pop(key).set()
+        return self._gains[key]
+
+    def _batches_of(self, round_: int, owner: str) -> tuple[list[int], int] | None:
+        """(shards in reading order, steps) of ``owner``'s update of ``round_``, if judged here."""
+        got, members = self._sealed.get((round_, owner)), self._members.get(round_)
+        if got is None or members is None:
+            return None
+        update = got[0]
+        steps = update.samples // self.spec.batch_size
+        order = shards_of(self.tid, round_, owner, members, self.spec.dataset.num_shards)
+        return (order, steps) if training_check.judged(steps) and sorted(order) == list(update.shards) else None
+
+    async def _measure(self, round_: int, producer: str, owners: list[str],
+                       gains: dict[str, float]) -> dict[str, float] | None:
+        """``gains`` with ``producer``'s update measured for each owner (_measured); None when the update cannot
+        be judged (its batches or base are not this node's view of the round, or it cannot be fetched)."""
+        got, base, corpus = self._sealed.get((round_, producer)), self._bases.get(round_), self.corpus()
+        own = self._batches_of(round_, producer)
+        if got is None or base is None or corpus is None or own is None or got[0].base_hash != base.weights_hash():
+            return None
+        batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None}
+        self._unjudged.setdefault((round_, producer), set()).update(o for o in owners if o not in batches)
+        try:
+            delta = await self.fetch_update(got[0])
         except (RemoteProtocolError, TransportError, trio.TooSlowError, OSError) as exc:
             log.info("task %s round %d: %s's update not fetched for its check: %s", self.tid[:12], round_, producer,
                      str(exc) or "timed out")
             return None
         started = trio.current_time()
         try:
-            gain = await trio.to_thread.run_sync(self._gain, base.weights, delta, corpus, order, round_, producer,
-                                                 steps)
+            measured = await trio.to_thread.run_sync(self._gains_on, base.weights, delta, corpus, round_, producer,
+                                                     own, batches)
         except (OSError, ValueError) as exc:
             # The corpus unreadable here, or an update of another shape than the weights: nothing to judge by.
             log.warning("task %s round %d: %s's update not checked: %s", self.tid[:12], round_, producer, exc)
             return None
         finally:
             self.seconds += trio.current_time() - started
-        self._proof_bytes[(round_, producer)] = sealed
-        return gain
+        return {**gains, **measured}
 
-    def _gain(self, base: Named, delta, corpus: Path, order: list[int], round_: int, producer: str,
-              steps: int) -> float:
+    def _gains_on(self, base: Named, delta, corpus: Path, round_: int, producer: str, own: tuple[list[int], int],
+                  batches: dict[str, tuple[list[int], int]]) -> dict[str, float]:
         ranges, _ = split_ranges(corpus.stat().st_size, self.spec.dataset.num_shards)
+        drawn = {}
         with open(corpus, "rb") as f:
-            data = b"".join(_read(f, *ranges[i]) for i in order)
-        own = training_check.own_batches(data, self.model.seq_len, self.spec.batch_size,
-                                         derive_seed(self.tid, round_, producer), steps)
-        return training_check.own_gain(self.model, base, delta, own)
+            for owner, (order, steps) in {producer: own, **batches}.items():
+                data = b"".join(_read(f, *ranges[i]) for i in order)
+                drawn[owner] = training_check.own_batches(data, self.model.seq_len, self.spec.batch_size,
+                                                          derive_seed(self.tid, round_, owner), steps)
+        out = {producer: training_check.own_gain(self.model, base, delta, drawn[producer])} \
+            if producer in batches else {}
+        others = [o for o in batches if o != producer]
+        reference = self.applied_mean(round_) if others else None
+        for other in others if reference is not None else ():
+            out[other] = training_check.own_advantage(self.model, base, delta, reference, drawn[producer],
+                                                      drawn[other])
+        return out
 
 
 def shards_of(task_id: str, round_: int, peer: str, members: list[str], num_shards: int) -> list[int]:

@@ -40,6 +40,8 @@ SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out; the training checks tell which)",
             "opposed": "it points against the others' median",
             "outsized": "many times larger than the others (noise poured in)"}
+APPLIED_KEPT = 2
+"""Rounds whose applied aggregates are kept in memory (node/tasks/checks.py KEEP_ROUNDS)."""
 STATE_RETENTION_DEADLINES = 2.0
 """A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
 deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
@@ -71,6 +73,8 @@ class Exchange:
         self.state_retention_s = STATE_RETENTION_DEADLINES * spec.round_deadline_s
         self._aggregates_done_at: dict[int, float] = {}
         self._states: list[tuple[bytes, float]] = []
+        self._applied: dict[int, list] = {}
+        """The aggregates of the last rounds applied here (training checks measure against their mean)."""
         """The states published or fetched here with the time each was kept, newest last (see _keep_state)."""
 
     # -- fetching with verification ------------------------------------------------------------
@@ -366,8 +370,20 @@ class Exchange:
             return kept
         new = await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads,
                                             state.work + round_work(job.chosen), self.out)
+        self._applied[job.round] = payloads
+        for old in sorted(self._applied)[:-APPLIED_KEPT]:
+            del self._applied[old]
         await self.collect(job.round)
         return new
+
+    def applied_mean(self, round_: int) -> torch.Tensor | None:
+        """The mean update of round ``round_`` as this node applied it (its aggregates decoded, flat), while it is
+        one of the last APPLIED_KEPT applied here; None otherwise. In a thread: it decodes the whole model."""
+        payloads = self._applied.get(round_)
+        if payloads is None:
+            return None
+        bounds = compute.slice_bounds(self.num_params(), len(payloads))
+        return torch.cat([compute.decode_slice(p, b - a, self.out) for p, (a, b) in zip(payloads, bounds)])
 
     async def fetch_initial(self, manifest_hex: str) -> dict:
         """The spec's initial weights: a tensors manifest, or a file manifest of a safetensors file.

@@ -81,6 +81,7 @@ class TaskRunner:
                                  keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params,
                                  banned=node.membership.is_banned)
         self.checks = TrainingChecks(spec=spec, task_id=tid, me=self.me, fetch_update=self.exchange.fetch_update,
+                                     applied_mean=self.exchange.applied_mean,
                                      penalize=node.membership.penalize, publish=self._publish,
                                      corpus=lambda: self.corpus_path, enabled=self.hf is None,
                                      max_bytes=MAX_TASK_MESSAGE_BYTES)

@@ -33,10 +33,14 @@ CHECK_BATCHES = 4
 """Batches of the producer's round it is judged on: its first inner steps' (fewer if it took fewer steps)."""
 UNTRAINED_GAIN = -0.05
 """Nats per byte: an update whose gain on its own batches is below this did not train on them from θ_r."""
+COPY_MARGIN = 0.02
+"""Nats: of two producers the screen found to send near copies of one update, the one whose batches it fits
+worse by this much (own_advantage below −COPY_MARGIN) sent the copy. An honest update fits its own batches
+better: its least advantage measured is in docs/bench/screen-margins.json (min_own_advantage)."""
 TOLERANCE = 0.005
 """What a checker allows around UNTRAINED_GAIN: a proof needs the accuser's gain below the threshold minus
-this, and a confirmer's below the threshold plus this, so no float difference between honest machines turns
-an accusation into a false one or back."""
+this, and a confirmer's below the threshold plus this (for a copy, the margin likewise), so no float difference
+between honest machines turns an accusation into a false one or back."""
 
 
 def own_batches(data: bytes, seq_len: int, batch_size: int, seed: int, steps: int) -> list[torch.Tensor]:
@@ -64,6 +68,26 @@ def own_gain(config: ModelConfig, base: Named, delta_flat: torch.Tensor, batches
 def judged(steps: int) -> bool:
     """Whether an update of ``steps`` inner steps is judged at all."""
     return steps >= CHECK_MIN_STEPS
+
+
+def own_advantage(config: ModelConfig, base: Named, delta_flat: torch.Tensor, reference_flat: torch.Tensor,
+                  own: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """How much better an update fits its producer's batches than another producer's, beyond what the round's
+    applied mean update (``reference_flat``, trained on neither) shows of how much easier either set is to
+    improve: [gain(Δ, own) − gain(Δ, other)] − [gain(R, own) − gain(R, other)]. An honest update scores above
+    0 (its batches shaped it); an exact copy of the other's scores the original's advantage negated."""
+    return (own_gain(config, base, delta_flat, own) - own_gain(config, base, delta_flat, other)) - \
+        (own_gain(config, base, reference_flat, own) - own_gain(config, base, reference_flat, other))
+
+
+def copied(advantage: float) -> bool:
+    """Whether an update with this own_advantage over a near copy's producer is the copy: it fits the other's
+    batches better, beyond the batches' own difference, by more than COPY_MARGIN (and the tolerance)."""
+    return advantage < -COPY_MARGIN - TOLERANCE
+
+
+def confirms_copy(advantage: float) -> bool:
+    return advantage < -COPY_MARGIN + TOLERANCE
 
 
 def untrained(gain: float) -> bool:

@@ -8,6 +8,8 @@ the protocol:
     sign_flip  it trains honestly and publishes -10x its update
     gaussian   it trains honestly and publishes its update plus Gaussian noise of 10x the update's rms
     stale      it publishes its first round's update again in every later round
+    copy       it trains nothing of its own: each round it waits for another producer's update, fetches its
+               slices and publishes them as its own, full samples claimed
     overclaim  it trains honestly and claims 10x the samples it trained on (more weight in the mean)
     equivocate every aggregate it makes goes out twice: as made, and with another result over the same
                inputs (each its own lie), and it never bans anyone
@@ -27,7 +29,7 @@ from node.tasks.exchange import Exchange
 from protocol.audit import Audit
 from protocol import task_machine
 
-ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate")
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy")
 ATTACK = os.environ.get("HOSTILE_ATTACK", "")
 if ATTACK not in ATTACKS:
     sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
@@ -83,6 +85,37 @@ if ATTACK == "equivocate":
             await _send(self, dataclasses.replace(msg, result_hash=lie, manifest_id=lie))
 
     TaskRunner._publish = _twice
+if ATTACK == "copy":
+    import trio
+
+    from node.tasks.runner import TaskRunner
+    from protocol.task_machine import Trained
+
+    async def _copy(self, job):
+        await self._train(job.round, list(job.members))  # the trainer's clock and state move on as an honest one's
+        deadline = trio.current_time() + self.spec.round_deadline_s / 2
+        while trio.current_time() < deadline:
+            rec = self.machine.rounds_seen.get(job.round)
+            others = sorted(p for p in (rec.updates if rec else {}) if p != self.me)
+            if others:
+                victim = rec.updates[others[0]]
+                ids = []
+                for s, mid in enumerate(victim.manifest_ids):
+                    _, data = await self.exchange._fetch_payload(mid, victim.producer, self.exchange._slice_numel(s),
+                                                                 self.spec.round_deadline_s, kept=self.exchange._slices,
+                                                                 round_=job.round, codec=self.exchange.codec)
+                    ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
+                                                                   f"task/{self.tid[:12]}/r{job.round}/u{s}"))
+                shards = tuple(sorted(checks.shards_of(self.tid, job.round, self.me, list(job.members),
+                                                       self.spec.dataset.num_shards)))
+                return Trained(round=job.round, samples=self.spec.inner_steps * self.spec.batch_size,
+                               manifest_ids=tuple(ids), losses=victim.losses, shards=shards)
+            await trio.sleep(0.05)
+        return await _produce(self, job)  # nobody to copy from this round: an honest update
+
+    from node.tasks import checks
+    _produce = TaskRunner._produce
+    TaskRunner._produce = _copy
 if ATTACK in ("forge", "equivocate"):
     Audit.judge = lambda self, aggregate, accuser=None: []  # it never bans anyone, least of all the honest
 

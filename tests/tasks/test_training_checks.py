@@ -1,5 +1,6 @@
 """Training checks through the task service (node/tasks/checks.py): a member that replays its first update is
-measured on its own batches by its checker, proven to every node and banned by all; a proof against an honest
+measured on its own batches by its checker, proven to every node and banned by all; one that sends another's
+update as its own is told from its original by their batches and banned alone; a proof against an honest
 producer, or one that proves nothing, costs its sender and bans nobody."""
 
 from __future__ import annotations
@@ -8,10 +9,13 @@ import json
 
 import trio
 
+from node.tasks.checks import shards_of
 from node.tasks.exchange import Exchange
+from node.tasks.runner import TaskRunner
 from protocol.envelope import open_sealed, seal
 from protocol.keys import Keypair
 from protocol.task import TrainingProof, UpdateAnnounce, task_id, task_topic
+from protocol.task_machine import Trained
 from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until
 
 
@@ -58,6 +62,64 @@ async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node
         assert all(c.strikes.keys() == {stale} for c in checks), [c.strikes for c in checks]
         # Honest updates were checked and passed: the check judges, it does not merely accuse.
         assert sum(s["passed"] for s in status) >= 2, status
+        hashes = {x["weights_hash"] for n in honest for x in runner(n, tid).agreement if x["round"] == spec.rounds - 1}
+        assert len(hashes) == 1
+        nursery.cancel_scope.cancel()
+
+
+def _copier(monkeypatch, peer_id: str) -> None:
+    """``peer_id``'s node publishes, each round, the first other producer's update as its own (the bytes of its
+    slices, full samples claimed): an exact copy, which the screen leaves out with its original."""
+    produce = TaskRunner._produce
+
+    async def copy(self, job):
+        if self.me != peer_id:
+            return await produce(self, job)
+        await self._train(job.round, list(job.members))
+        while True:
+            rec = self.machine.rounds_seen.get(job.round)
+            others = sorted(p for p in (rec.updates if rec else {}) if p != self.me)
+            if others:
+                break
+            await trio.sleep(0.02)
+        victim, ids = rec.updates[others[0]], []
+        for s, mid in enumerate(victim.manifest_ids):
+            _, data = await self.exchange._fetch_payload(mid, victim.producer, self.exchange._slice_numel(s), 10.0,
+                                                         kept=self.exchange._slices, round_=job.round,
+                                                         codec=self.exchange.codec)
+            ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
+                                                           f"task/{self.tid[:12]}/r{job.round}/u{s}"))
+        shards = shards_of(self.tid, job.round, self.me, list(job.members), self.spec.dataset.num_shards)
+        return Trained(round=job.round, samples=self.spec.inner_steps * self.spec.batch_size,
+                       manifest_ids=tuple(ids), losses=victim.losses, shards=tuple(sorted(shards)))
+
+    monkeypatch.setattr(TaskRunner, "_produce", copy)
+
+
+async def test_a_copied_update_is_told_from_its_original_and_only_the_copier_is_banned(network, tmp_path,
+                                                                                        monkeypatch):
+    spec = tiny_spec(rounds=6, min_members=3)
+    tid = task_id(spec)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abcd"]
+        await swarm.connected()
+        copier = nodes[3].keypair.peer_id
+        _copier(monkeypatch, copier)
+        honest = nodes[:3]
+        await honest[0].tasks.publish(spec)
+        await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        status = [runner(n, tid).checks.status() for n in honest]
+        print(json.dumps(status))
+        findings = [f for s in status for f in s["findings"]]
+        # The screen left both out as near copies; the checks named the copier, by the original's batches.
+        assert all(runner(n, tid).exchange.screened.keys() <= {"duplicate"} for n in honest)
+        assert findings and {f["producer"] for f in findings} == {copier}, status
+        assert all(f["copy_of"] in {n.keypair.peer_id for n in honest} and f["advantage"] < -0.02
+                   for f in findings), findings
+        assert all(s["refuted"] == 0 for s in status), status
+        assert all(n.membership.is_banned(copier) for n in honest)
+        assert all(not n.membership.is_banned(m.keypair.peer_id) for n in honest for m in honest)
         hashes = {x["weights_hash"] for n in honest for x in runner(n, tid).agreement if x["round"] == spec.rounds - 1}
         assert len(hashes) == 1
         nursery.cancel_scope.cancel()
