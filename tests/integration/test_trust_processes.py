@@ -157,3 +157,29 @@ def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_
     assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(300)
+def test_a_free_rider_copying_another_producer_is_told_from_its_original_and_banned_alone(tmp_path):
+    # An exact copy: the screen leaves it out with its original every round (neither charged, since the screen
+    # cannot tell which is which); the training checks measure the one update on both producers' batches.
+    honest, other, run = hostile_run(tmp_path, "copy")
+    tasks = [node.status["task"] for node in honest]
+    checks = [task["training_checks"] for task in tasks]
+    print(json.dumps({"training_checks": checks, "screened": [t["screened"] for t in tasks],
+                      "eval_losses": tasks[0]["eval_losses"]}))
+    findings = [f for c in checks for f in c["findings"]]
+    assert findings and {f["producer"] for f in findings} == {other.peer_id}, checks
+    assert all(f["copy_of"] in {n.peer_id for n in honest} for f in findings), findings
+    assert all(c["refuted"] == 0 for c in checks), checks
+    assert all(other.peer_id in node.status["banned_peers"] for node in honest)
+    assert all(not set(node.status["banned_peers"]) & {n.peer_id for n in honest} for node in honest)
+    rounds = {}
+    for task in tasks:
+        for row in task["agreement"]:
+            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    # Credited for nothing it copied: its slices were left out as copies until it was banned.
+    credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
+                if r.producer == other.peer_id}
+    assert not credited, credited
