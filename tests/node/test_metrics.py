@@ -30,7 +30,9 @@ def test_task_samples_from_the_task_service_status():
                             {"round": 2, "agreed": True, "caught_up": True, "train_s": 0.0, "round_s": 1.0}],
               "peers": [{"peer_id": "12D3KooW" + "a" * 44, "train_share": 0.9},
                         {"peer_id": "12D3KooW" + "b" * 44, "train_share": None}],
-              "screened": {"empty": 1}, "screened_applied": {"empty": 3, "opposed": 2}}
+              "screened": {"empty": 1}, "screened_applied": {"empty": 3, "opposed": 2},
+              "training_checks": {"enabled": True, "passed": 7, "untrained": 1, "confirmed": 0, "refuted": 2,
+                                  "unjudged": 0, "seconds": 1.5, "findings": []}}
     known = SimpleNamespace(spec=SimpleNamespace(inner_steps=50))
     service = SimpleNamespace(tasks={status["id"]: known}, summary=lambda tid, k: status)
     got = {(s[0], tuple(sorted(s[3].items()))): s[4] for s in bound(task_samples(SimpleNamespace(tasks=service)))}
@@ -43,6 +45,9 @@ def test_task_samples_from_the_task_service_status():
     assert got[("shoal_tasks", (("decision", "joined"),))] == 1
     assert got[("shoal_task_screened_total", (("reason", "empty"), task))] == 1
     assert got[("shoal_task_screened_applied_total", (("reason", "opposed"), task))] == 2
+    assert got[("shoal_task_training_checks_total", (("outcome", "untrained"), task))] == 1
+    assert got[("shoal_task_training_checks_total", (("outcome", "refuted"), task))] == 2
+    assert got[("shoal_task_training_check_seconds_total", (task,))] == 1.5
     # Each node's announced share, by short peer id; a node that has not trained yet has no series.
     shares = {k[1]: v for k, v in got.items() if k[0] == "shoal_task_peer_training_share"}
     assert shares == {(("peer", "a" * 10), task): 0.9}

@@ -60,6 +60,20 @@ def test_task_show_says_what_was_screened_out_of_the_applied_aggregates_and_of_i
     assert "screened out" not in shown(base)
 
 
+def test_task_show_counts_the_training_checks_and_names_what_they_found():
+    base = {"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "joined", "round": 3, "rounds": 10,
+            "members": [A], "dropped": {}}
+    checks = {"enabled": True, "passed": 9, "untrained": 1, "confirmed": 2, "refuted": 0, "unjudged": 1,
+              "seconds": 0.8, "findings": [
+                  {"round": 1, "producer": B, "gain": -0.1567, "found_by": A, "copy_of": None, "advantage": None},
+                  {"round": 2, "producer": B, "gain": 0.29, "found_by": A, "copy_of": A, "advantage": -0.0365}]}
+    text = shown({**base, "training_checks": checks})
+    assert "passed: 9, untrained: 1, confirmed: 2, refuted: 0, unjudged: 1 (0.8 s)" in text
+    assert f"round 1 by {B}: its own batches' loss +0.1567 after it" in text
+    assert f"round 2 by {B}: a copy of {A}'s (fits their batches 0.0365 better than its own" in text
+    assert "training checks" not in shown({**base, "training_checks": {**checks, "enabled": False, "findings": []}})
+
+
 def test_status_shows_the_routers_port_mapping():
     console = Console(record=True, width=220, color_system=None)
     mapping = {"status": "mapped",
