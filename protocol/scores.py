@@ -28,7 +28,7 @@ PENALTIES = {
     # An update many times larger than the slice's others (noise poured in): no honest update came close.
     "outsized_update": 20.0,
     # An update that raises the loss on the batches its producer drew (node/tasks/training_check.py): it did not
-    # train on them. Measured by its checker and again by every node a proof reaches; a second finding bans.
+    # train on them. Measured by its checker and again by every node a proof reaches; a second finding within 4 rounds bans.
     "untrained_update": 60.0,
     "untrained_again": 100.0,
     # Refused inside the libp2p host (p2p.guards), below our own handlers.

@@ -20,7 +20,8 @@ aggregate compression, through the real outer step (compute.apply_aggregates). A
 ``centered_clip+screen+checks`` adds the nodes' training checks (node/tasks/checks.py): after each round
 every producer's whole update, as its slices decode, is measured on its own batches from the round's weights
 (and one the screen left out as a near copy, against the other near copies' batches), and a producer found
-twice is left out from then on (its slices count as excluded).
+in two rounds less than training_check.STRIKE_ROUNDS apart is left out from then on (its slices count as
+excluded).
 
 Reported per setup (producers x attackers), rule and attack: the final held-out loss, its change
 against the same rule's clean run (%), and each rule's clean loss against the plain mean's (%).
@@ -74,7 +75,8 @@ RULES = {
 }
 CHECKED = {"centered_clip+screen+checks"}
 """Rules run with the nodes' training checks (node/tasks/checks.py): after each round every producer's whole
-update is measured on its own batches from the round's weights, and one found twice is left out from then on."""
+update is measured on its own batches from the round's weights, and one found in two nearby rounds is left out
+from then on."""
 DEMO_MODEL = ModelConfig(n_layer=2, n_head=2, d_model=64, seq_len=64)
 """examples/tiny-task.toml's model."""
 HONEST_COST_PCT = 1.0
@@ -166,7 +168,7 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
     feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
     first: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(derive_seed(task, "noise"))
-    strikes: dict[str, int] = {}
+    strikes: dict[str, list[int]] = {}
     banned: set[str] = set()
 
     def train(peer: str, r: int, steps: int, assignment) -> tuple[torch.Tensor, list, int]:
@@ -240,16 +242,18 @@ def run_one(bench: Bench, rule: AggregationSpec, attack: str, *, producers: int,
         if checks and training_check.judged(bench.inner_steps):
             reference = torch.cat([compute.decode_slice(d, b - a, out) for d, (a, b) in zip(aggregates, bounds)])
             drawn = {p: training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
-                                                   bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
+                                                   bench.batch_size, derive_seed(task, r, p), bench.inner_steps,
+                                                   count=training_check.COPY_BATCHES)
                      for p in payloads}
             for p in sorted(set(payloads) - unchecked):
                 delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec) for s, (a, b) in enumerate(bounds)])
                 others = sorted(copies - {p}) if p in copies else []
-                if training_check.untrained(training_check.own_gain(bench.model, state.weights, delta, drawn[p])) or \
+                if training_check.untrained(training_check.own_gain(
+                        bench.model, state.weights, delta, drawn[p][:training_check.CHECK_BATCHES])) or \
                         any(training_check.copied(training_check.own_advantage(
                             bench.model, state.weights, delta, reference, drawn[p], drawn[o])) for o in others):
-                    strikes[p] = strikes.get(p, 0) + 1
-                    if strikes[p] >= 2:
+                    strikes.setdefault(p, []).append(r)
+                    if training_check.banned_at(strikes[p]):
                         banned.add(p)
         state = compute.apply_aggregates(state, aggregates, state.work + len(updates), out)
     loss = evaluate(bench.model, state.weights, heldout, bench.eval_batches, seed=seed + 1, batch_size=16)

@@ -119,12 +119,13 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
             # The round's mean as applied: the reference a copy is told by.
             reference = torch.cat([compute.decode_slice(d, b - a, out) for d, (a, b) in zip(aggregates, bounds)])
             drawn = {p: training_check.own_batches(b"".join(shards[i] for i in assignment[p]), bench.model.seq_len,
-                                                   bench.batch_size, derive_seed(task, r, p), bench.inner_steps)
+                                                   bench.batch_size, derive_seed(task, r, p), bench.inner_steps,
+                                                   count=training_check.COPY_BATCHES)
                      for p in peers}
             for i, p in enumerate(peers):
                 delta = torch.cat([compute.decode_slice(payloads[p][s], b - a, codec)
                                    for s, (a, b) in enumerate(bounds)])
-                gain = training_check.own_gain(bench.model, state.weights, delta, drawn[p])
+                gain = training_check.own_gain(bench.model, state.weights, delta, drawn[p][:training_check.CHECK_BATCHES])
                 worst["min_own_gain"] = min(worst["min_own_gain"], gain)
                 accused += training_check.untrained(gain)
                 # Against the next producer's batches, as if the screen had found the two near copies.

@@ -6,7 +6,8 @@ batches its producer drew. An update that makes them worse by more than the thre
 (a replayed or copied update, or one made up): the checker charges its producer and gossips a TrainingProof
 that carries the producer's own sealed announcement. Every node that holds the round's weights measures it
 again and charges the producer too, or, when its own measure clears the update, charges the accuser.
-A second finding against one producer bans it (protocol/scores.py ``untrained_again``), which
+A second finding against one producer within training_check.STRIKE_ROUNDS rounds bans it (protocol/scores.py
+``untrained_again``), which
 drops its updates on every honest node alike, since every one of them measured the same.
 
 What is checked: tiny-lm tasks whose members train a whole round from its weights (no ``overlap``: steps
@@ -62,6 +63,8 @@ class TrainingChecks:
         self.findings: list[dict] = []
         self.strikes: Counter[str] = Counter()
         """Untrained updates found or confirmed here, per producer, this task."""
+        self._found_in: dict[str, list[int]] = {}
+        """Per producer, the rounds of its latest findings."""
         self._bases: OrderedDict[int, compute.OuterState] = OrderedDict()
         self._members: OrderedDict[int, list[str]] = OrderedDict()
         self._sealed: OrderedDict[tuple[int, str], tuple[UpdateAnnounce, bytes]] = OrderedDict()
@@ -208,10 +211,13 @@ class TrainingChecks:
                                            "found_by": by, "copy_of": copy_of,
                                            "advantage": None if advantage is None else round(advantage, 4)}
                                           ])[-MAX_FINDINGS:]
-        # However long its rounds, a producer found twice in one task is banned: the second finding's charge
+        # However long its rounds, a producer found in two nearby rounds is banned: the second finding's charge
         # alone reaches the ban.
         self.strikes[producer] += 1
-        self.penalize(producer, "untrained_update" if self.strikes[producer] == 1 else "untrained_again")
+        rounds = self._found_in.setdefault(producer, [])
+        rounds.append(round_)
+        del rounds[:-4]
+        self.penalize(producer, "untrained_again" if training_check.banned_at(sorted(rounds)) else "untrained_update")
 
     async def _measured(self, round_: int, producer: str, others: list[str]) -> dict[str, float] | None:
         """``producer``'s update's gain on its own batches (under its own name) and its own_advantage over each
@@ -285,8 +291,10 @@ class TrainingChecks:
             for owner, (order, steps) in {producer: own, **batches}.items():
                 data = b"".join(_read(f, *ranges[i]) for i in order)
                 drawn[owner] = training_check.own_batches(data, self.model.seq_len, self.spec.batch_size,
-                                                          derive_seed(self.tid, round_, owner), steps)
-        out = {producer: training_check.own_gain(self.model, base, delta, drawn[producer])} \
+                                                          derive_seed(self.tid, round_, owner), steps,
+                                                          count=training_check.COPY_BATCHES)
+        out = {producer: training_check.own_gain(self.model, base, delta,
+                                                 drawn[producer][:training_check.CHECK_BATCHES])} \
             if producer in batches else {}
         others = [o for o in batches if o != producer]
         reference = self.applied_mean(round_) if others else None

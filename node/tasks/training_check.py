@@ -25,12 +25,18 @@ from node.train.diloco import Named, flatten, unflatten
 from node.train.inner import lm_loss, model_from_weights
 from node.train.model import ModelConfig
 
-CHECK_MIN_STEPS = 8
-"""Updates of fewer inner steps are not judged: they barely move from θ_r, and a first step's momentum (carried
-from the last round) can move away from its batch. Honest updates of 1 and 2 steps from scratch measured below
-the threshold (scripts/screen_margins.py); none of 8 steps or more did."""
+CHECK_MIN_STEPS = 12
+"""Updates of fewer inner steps are not judged: a first step's momentum (carried from the last round) can move
+away from its batch, and from scratch a few honest updates of 1, 2 and 8 steps raised their own batches' loss
+(scripts/screen_margins.py); none of 12 steps or more did."""
+STRIKE_ROUNDS = 4
+"""A producer found in two rounds less than this many apart is banned: an untrained producer is found round
+after round; an honest update that misfired once (never seen at 12 steps or more) costs one charge."""
 CHECK_BATCHES = 4
-"""Batches of the producer's round it is judged on: its first inner steps' (fewer if it took fewer steps)."""
+"""Batches of the producer's round its gain is measured on: its first inner steps'."""
+COPY_BATCHES = 16
+"""Batches each side of a near-copy pair is measured on (own_advantage), fewer if the producer took fewer
+steps: the comparison runs only for producers the screen left out as near copies, and needs the power."""
 UNTRAINED_GAIN = -0.05
 """Nats per byte: an update whose gain on its own batches is below this did not train on them from θ_r."""
 COPY_MARGIN = 0.02
@@ -43,10 +49,11 @@ this, and a confirmer's below the threshold plus this (for a copy, the margin li
 between honest machines turns an accusation into a false one or back."""
 
 
-def own_batches(data: bytes, seq_len: int, batch_size: int, seed: int, steps: int) -> list[torch.Tensor]:
-    """The first min(CHECK_BATCHES, steps) batches the producer's inner steps drew from ``data``."""
+def own_batches(data: bytes, seq_len: int, batch_size: int, seed: int, steps: int,
+                count: int = CHECK_BATCHES) -> list[torch.Tensor]:
+    """The first min(count, steps) batches the producer's inner steps drew from ``data``."""
     sampler = batches(data, seq_len, batch_size, seed)
-    return [next(sampler) for _ in range(max(1, min(CHECK_BATCHES, steps)))]
+    return [next(sampler) for _ in range(max(1, min(count, steps)))]
 
 
 @torch.no_grad()
@@ -63,6 +70,11 @@ def own_gain(config: ModelConfig, base: Named, delta_flat: torch.Tensor, batches
         raise ValueError(f"an update of {delta_flat.numel()} values does not fit weights of {flat.numel()}")
     moved = unflatten(flat - delta_flat.to(torch.float32), layout)
     return _loss(config, base, batches_) - _loss(config, moved, batches_)
+
+
+def banned_at(rounds: list[int]) -> bool:
+    """Whether findings in these rounds (the last one just made) ban their producer."""
+    return sum(1 for r in rounds if r > rounds[-1] - STRIKE_ROUNDS) >= 2
 
 
 def judged(steps: int) -> bool:

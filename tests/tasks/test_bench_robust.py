@@ -41,7 +41,7 @@ def test_choose_takes_the_smallest_worst_case_among_rules_cheap_for_honest_train
 
 
 def test_the_training_checks_leave_a_replaying_producer_out_and_no_honest_one():
-    bench = dataclasses.replace(TINY, rounds=6, inner_steps=8)
+    bench = dataclasses.replace(TINY, rounds=6, inner_steps=12)
     rule = RULES["centered_clip+screen+checks"]
     for attack, caught in (("stale", True), ("clean", False)):
         excluded = Excluded()

@@ -36,7 +36,7 @@ def _stale(monkeypatch, peer_id: str) -> None:
 
 
 async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node(network, tmp_path, monkeypatch):
-    spec = tiny_spec(rounds=6, min_members=3)
+    spec = tiny_spec(rounds=6, min_members=3, inner_steps=12)
     tid = task_id(spec)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, tmp_path, network)
@@ -98,7 +98,7 @@ def _copier(monkeypatch, peer_id: str) -> None:
 
 async def test_a_copied_update_is_told_from_its_original_and_only_the_copier_is_banned(network, tmp_path,
                                                                                         monkeypatch):
-    spec = tiny_spec(rounds=6, min_members=3)
+    spec = tiny_spec(rounds=6, min_members=3, inner_steps=12)
     tid = task_id(spec)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, tmp_path, network)
@@ -126,7 +126,7 @@ async def test_a_copied_update_is_told_from_its_original_and_only_the_copier_is_
 
 
 async def test_a_false_training_proof_costs_its_sender_and_bans_nobody(network, tmp_path):
-    spec = tiny_spec(rounds=5)
+    spec = tiny_spec(rounds=5, inner_steps=12)
     tid = task_id(spec)
     hostile = Keypair.from_label("false-checker")
     async with trio.open_nursery() as nursery:
