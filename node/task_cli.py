@@ -18,7 +18,7 @@ task_app = typer.Typer(add_completion=False, no_args_is_help=True,
 def publish(spec: Path = typer.Argument(..., help="Task spec TOML file (see examples/tiny-task.toml)."),
             data_dir: Optional[Path] = DataDir, url: Optional[str] = Url) -> None:
     """Sign SPEC with this node's key as initiator and gossip it; prints the task id."""
-    from protocol.task import load_spec_toml
+    from protocol.spec_toml import load_spec_toml
     try:
         text = spec.read_text()
     except OSError as exc:

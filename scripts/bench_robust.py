@@ -59,8 +59,8 @@ from node.train.model import ModelConfig  # noqa: E402
 from protocol.errors import IntegrityError  # noqa: E402
 from node.train.simulate import SimSetup, _data, start_weights  # noqa: E402
 from protocol.rendezvous import assign_shards  # noqa: E402
-from protocol.task import (AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, TOML_AGGREGATE_COMPRESSION,  # noqa: E402
-                           TOML_COMPRESSION, AggregationSpec)
+from protocol.spec_toml import TOML_AGGREGATE_COMPRESSION, TOML_COMPRESSION  # noqa: E402
+from protocol.task import AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, AggregationSpec  # noqa: E402
 
 ATTACKS = ("clean", "sign_flip_x10", "gaussian", "zeros", "stale", "alie", "ipm", "overclaim", "copy")
 NORM_BOUND = 2.0

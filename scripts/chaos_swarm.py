@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.local_swarm import READY_TIMEOUT_S, Swarm, netlab_interrupts  # noqa: E402
-from protocol.task import spec_from_dict  # noqa: E402
+from protocol.spec_toml import spec_from_dict  # noqa: E402
 from scripts.swarm_task import TaskRun, spec_fields, use_local_corpus  # noqa: E402
 
 DEMO_TASK = ROOT / "examples" / "tiny-task.toml"

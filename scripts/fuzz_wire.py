@@ -40,7 +40,8 @@ from protocol.envelope import seal  # noqa: E402
 from protocol.keys import Keypair  # noqa: E402
 from protocol.manifest import Have, Haves, ManifestRequest, ShardRequest, build_manifest, seal_manifest  # noqa: E402
 from protocol.messages import Announce, HardwareSummary  # noqa: E402
-from protocol.task import SPECS_TOPIC, load_spec_toml  # noqa: E402
+from protocol.spec_toml import load_spec_toml  # noqa: E402
+from protocol.task import SPECS_TOPIC  # noqa: E402
 
 READY_TIMEOUT_S = 180.0
 OP_TIMEOUT_S = 3.0

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 from protocol.errors import ConfigError
-from protocol.task import spec_from_dict
+from protocol.spec_toml import spec_from_dict
 
 STARTUP_MARGIN_S = 120.0
 """Added to rounds × round_deadline_s: dataset check, trainer start, the members' listen window."""
@@ -125,7 +125,7 @@ class TaskRun:
                     row["eval_loss"] = entry.get("eval_loss")  # a joiner's caught-up rows are not evaluated
         for row in rounds.values():
             row["hashes_agree"] = len(set(row["weights_hash_by_node"].values())) == 1
-        libp2p, wire, gossip, task_bytes, utilization, screened = {}, {}, {}, {}, {}, {}
+        libp2p, wire, gossip, task_bytes, utilization, screened, checks = {}, {}, {}, {}, {}, {}, {}
         for peer, status in self.final.items():
             before = self.bytes_before.get(peer, {})
             for out, key, now in ((libp2p, "streams", status.get("bytes", {})),
@@ -138,6 +138,7 @@ class TaskRun:
             task = status.get("task") or {}
             task_bytes[peer] = task.get("bytes", {})
             screened[peer] = task.get("screened", {})
+            checks[peer] = {k: v for k, v in (task.get("training_checks") or {}).items() if k != "findings"}
             train_s, round_s = task.get("train_seconds", 0.0), task.get("round_seconds", 0.0)
             utilization[peer] = {"train_seconds": train_s, "round_seconds": round_s,
                                  "train_fraction": round(train_s / round_s, 3) if round_s else None}
@@ -154,6 +155,9 @@ class TaskRun:
             "utilization": utilization,
             # Producers' slices each node's aggregations left out as empty or duplicate: none in an honest swarm.
             "screened": screened,
+            # Others' updates each node measured on their own batches (node/tasks/checks.py), by outcome: none
+            # untrained in an honest swarm.
+            "training_checks": checks,
         }
 
     def ok(self, report: dict) -> tuple[bool, str]:

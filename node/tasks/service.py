@@ -16,8 +16,8 @@ from p2p.api import GossipMessage
 from protocol.envelope import open_sealed, seal
 from protocol.scores import FloodLimiter
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
-from protocol.task import (DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, TaskCancel, TaskSpec,
-                           load_spec_toml, spec_from_dict, spec_to_dict, task_id)
+from protocol.spec_toml import load_spec_toml, spec_from_dict, spec_to_dict
+from protocol.task import DEFAULT_TASK_SPEC_BYTES, KNOWN_RECIPES, SPECS_TOPIC, TaskCancel, TaskSpec, task_id
 
 log = logging.getLogger("shoal.tasks")
 

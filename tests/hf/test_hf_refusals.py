@@ -12,7 +12,7 @@ import trio
 
 from node import bundle, dataset
 from protocol.manifest import manifest_id
-from protocol.task import spec_from_dict
+from protocol.spec_toml import spec_from_dict
 from scripts.tiny_hf import text_records
 from tests.tasks.conftest import Swarm, network, runner, wait_until  # noqa: F401 (network is a fixture)
 

@@ -4,7 +4,8 @@ import pytest
 
 from protocol.codec import decode, encode
 from protocol.errors import ConfigError
-from protocol.task import TaskSpec, spec_from_dict
+from protocol.spec_toml import spec_from_dict
+from protocol.task import TaskSpec
 
 H = "ab" * 32
 
@@ -49,7 +50,7 @@ def test_tiny_lm_specs_still_need_their_model_table():
 def test_the_finetune_example_loads():
     from pathlib import Path
 
-    from protocol.task import load_spec_toml
+    from protocol.spec_toml import load_spec_toml
     text = (Path(__file__).resolve().parents[2] / "examples" / "finetune-task.toml").read_text()
     spec = load_spec_toml(text)
     assert spec.recipe == "hf-causal-lm" and spec.hf.method == "lora" and spec.dataset.kind == "published"

@@ -17,7 +17,8 @@ from node.tasks.ledger import FILE, Ledger, read
 from protocol.envelope import seal
 from protocol.keys import Keypair
 from protocol.receipts import Credit, digest
-from protocol.task import load_spec_toml, task_id
+from protocol.spec_toml import load_spec_toml
+from protocol.task import task_id
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-task.toml"
 KEY = Keypair.from_label("ledger-node")

@@ -13,7 +13,7 @@ from node.shardcast import ShardcastConfig, ShardcastService, ShardStore
 from node.tasks import TaskOptions, task_service
 from node.train.data import build_corpus, corpus_id
 from p2p.fake import FakeNetwork
-from protocol.task import spec_from_dict
+from protocol.spec_toml import spec_from_dict
 from tests.node.conftest import fast_config, wait_until
 
 CORPUS_BYTES = 96 * 1024

@@ -17,7 +17,7 @@ from protocol.envelope import seal
 from protocol.errors import IntegrityError
 from protocol.keys import Keypair
 from protocol.manifest import build_manifest, layout_tensors
-from protocol.task import load_spec_toml
+from protocol.spec_toml import load_spec_toml
 from tests.tasks.conftest import Swarm, runner, tiny_spec, wait_until
 
 

@@ -11,8 +11,9 @@ from protocol.codec import decode, encode
 from protocol.envelope import open_sealed, seal
 from protocol.errors import ConfigError, DecodeError, SignatureError
 from protocol.keys import Keypair
+from protocol.spec_toml import load_spec_toml
 from protocol.task import (AggregateAnnounce, AggregationSpec, TaskJoin, TaskSpec, TrainingProof, UpdateAnnounce,
-                           WeightsAnnounce, load_spec_toml, task_id)
+                           WeightsAnnounce, task_id)
 
 SPEC_TOML = """
 [task]
@@ -231,7 +232,7 @@ def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
 
 
 def test_a_toml_spec_without_the_table_gets_the_measured_default():
-    from protocol.task import _DEFAULTS
+    from protocol.spec_toml import _DEFAULTS
     assert load_spec_toml(SPEC_TOML).aggregation == AggregationSpec(**_DEFAULTS["aggregation"])
     assert load_spec_toml(SPEC_TOML).aggregation != AggregationSpec()
 
