@@ -1,7 +1,8 @@
 """One task on one node: the executor of the task machine's effects, over gossip, SHARDCAST and the trainer.
 
-Every decision is the machine's (protocol/task_machine.py). This loop feeds it each verified task
-message, the peer table's last-heard times and the results of the work it asked for, then sleeps
+Every decision is the machine's (protocol/task_machine.py) but the training checks' (node/tasks/checks.py,
+handed the updates heard, each round's members and each applied round). This loop feeds the machine each
+verified task message, the peer table's last-heard times and the results of the work it asked for, then sleeps
 until the next event or ``next_deadline()``. Work (training, aggregation, the outer step, fetching
 weights) runs in tasks of its own and reports back as an event, so nothing here blocks a message.
 Past 500 lines: one effect executor with one branch per effect type reads best in one place; the
