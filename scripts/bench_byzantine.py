@@ -24,6 +24,7 @@ honest_only (the honest nodes alone, the attackers never started). Per run, read
     verification_share        seconds spent recomputing aggregates and measuring others' updates (the
                               training checks) over seconds training, honest nodes
     check_seconds             of which the training checks, per honest node
+    check_share               the training checks' seconds alone over seconds training
 
 Final losses of two runs of one clean seed differed by 2% here, so each attack runs with several task
 seeds and the JSON keeps the mean, the spread and every run.
@@ -153,6 +154,8 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
                                     / train_s, 4) if train_s else None,
         "verifications": [t.get("verifications", 0) for t in tasks],
         "check_seconds": [_checks(t).get("seconds", 0.0) for t in tasks],
+        "check_share": round(sum(_checks(t).get("seconds", 0.0) for t in tasks) / train_s, 4) if train_s else None,
+        "train_seconds": [t.get("train_seconds", 0.0) for t in tasks],
         "training_checks": [{k: _checks(t).get(k, 0) for k in ("passed", "untrained", "confirmed", "refuted",
                                                                  "unjudged")} for t in tasks],
         "screened": [t.get("screened", {}) for t in tasks],
@@ -181,6 +184,7 @@ def _summary(runs: list[dict]) -> dict:
         "honest_excluded_share": _mean([r["honest_excluded_share"] for r in runs]),
         "time_to_ban_s": max(bans) if None not in bans else None,
         "verification_share": _mean([r["verification_share"] for r in runs]),
+        "check_share": _mean([r["check_share"] for r in runs]),
         "hashes_agree": all(r["hashes_agree"] for r in runs),
         "runs": runs,
     }
