@@ -379,8 +379,8 @@ class TaskJoin:
 class UpdateAnnounce:
     """A producer's compressed pseudo-gradient for one round, one SHARDCAST manifest per slice.
 
-    ``shards``: the data shards it trained on (its rendezvous assignment), so a checker judges it on the
-    batches it drew from them (node/tasks/training_check.py); empty: not said, never judged."""
+    ``shards``: the data shards it trained on (its rendezvous assignment), sorted, the order it read them in, so
+    a checker judges it on the batches it drew from them (node/tasks/training_check.py); empty: never judged."""
 
     task_id: str
     round: int

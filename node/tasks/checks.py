@@ -12,8 +12,9 @@ drops its updates on every honest node alike, since every one of them measured t
 
 What is checked: tiny-lm tasks whose members train a whole round from its weights (no ``overlap``: steps
 carried from the last round trained on other batches) and updates of at least training_check.CHECK_MIN_STEPS inner steps.
-An update whose shards are not the ones this node's view of the round assigns its producer, or whose base is
-not the round's weights here, is not judged: nobody is charged on a guess.
+An update is judged on the shards it names (a producer reads its shards in that order): an honest producer
+names what it trained on, whatever a checker's view of the round's members. One whose base is not the round's
+weights here is not judged: nobody is charged on a guess.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ class TrainingChecks:
         if original is not None:
             self._sealed.setdefault((msg.round, original.producer), (original, proof.original))
         claim = (msg.producer, proof.accuser, original.producer if original is not None else None)
+        log.info("task %s round %d: %s's proof against %s's update%s (%s)", self.tid[:12], msg.round, proof.accuser,
+                 msg.producer, "" if original is None else f" as a copy of {original.producer}'s",
+                 "measured here" if msg.round in self._bases else "for a round not applied here yet")
         if msg.round in self._bases:
             nursery.start_soon(self._check, msg.round, *claim)
         elif self._members and max(self._members) <= msg.round <= max(self._members) + 1 and \
@@ -169,6 +173,9 @@ class TrainingChecks:
         gains = await self._measured(round_, producer, others)
         if gains is None or producer not in gains or (original is not None and original not in gains):
             self.counts["unjudged"] += 1
+            log.info("task %s round %d: %s's update not judged here%s (%s)", self.tid[:12], round_, producer,
+                     "" if original is None else f" against {original}'s batches",
+                     "it cannot be" if gains is None else "not those batches")
             return
         own = gains[producer]
         if accuser is None:
@@ -246,14 +253,16 @@ class TrainingChecks:
         return self._gains[key]
 
     def _batches_of(self, round_: int, owner: str) -> tuple[list[int], int] | None:
-        """(shards in reading order, steps) of ``owner``'s update of ``round_``, if judged here."""
-        got, members = self._sealed.get((round_, owner)), self._members.get(round_)
-        if got is None or members is None:
+        """(shards in reading order, steps) of ``owner``'s update of ``round_``, if it is judged: the shards its
+        UpdateAnnounce names, which a producer reads in that (sorted) order. Its own word, and safe to take: an
+        honest producer names what it trained on, whatever this node's view of the round's members, and a
+        producer that names other shards is judged on batches its update never saw."""
+        got = self._sealed.get((round_, owner))
+        if got is None:
             return None
         update = got[0]
         steps = update.samples // self.spec.batch_size
-        order = shards_of(self.tid, round_, owner, members, self.spec.dataset.num_shards)
-        return (order, steps) if training_check.judged(steps) and sorted(order) == list(update.shards) else None
+        return (list(update.shards), steps) if training_check.judged(steps) and update.shards else None
 
     async def _measure(self, round_: int, producer: str, owners: list[str],
                        gains: dict[str, float]) -> dict[str, float] | None:
@@ -262,9 +271,14 @@ class TrainingChecks:
         got, base, corpus = self._sealed.get((round_, producer)), self._bases.get(round_), self.corpus()
         own = self._batches_of(round_, producer)
         if got is None or base is None or corpus is None or own is None or got[0].base_hash != base.weights_hash():
+            log.info("task %s round %d: %s's update not judged: %s", self.tid[:12], round_, producer,
+                     "never heard" if got is None else "the round's weights are not kept here" if base is None
+                     else "no corpus here" if corpus is None else "too few steps, or no shards named" if own is None
+                     else "trained from other weights than this node's")
             return None
         batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None}
         self._unjudged.setdefault((round_, producer), set()).update(o for o in owners if o not in batches)
+        log.debug("task %s round %d: fetching %s's update to check it", self.tid[:12], round_, producer)
         try:
             delta = await self.fetch_update(got[0])
         except (RemoteProtocolError, TransportError, trio.TooSlowError, OSError) as exc:

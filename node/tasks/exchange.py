@@ -69,7 +69,7 @@ class Exchange:
         self._offer_id = ""
         self._offer_sealed = b""
         self._slices: dict[int, set[bytes]] = {}
-        """Manifests of each round's update slices here (ours and fetched), released a round after it is applied."""
+        """Manifests of each round's update slices here (ours and fetched), released two rounds after it is applied."""
         self._aggregates: dict[int, set[bytes]] = {}
         """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
         self.state_retention_s = STATE_RETENTION_DEADLINES * spec.round_deadline_s
@@ -158,10 +158,13 @@ class Exchange:
             await self.shardcast.release(sorted(old))
 
     async def collect(self, applied_round: int) -> None:
-        """Release what the rounds before ``applied_round`` needed: slices a round after they are applied (a slow
-        aggregator may still be fetching), aggregates two rounds and state_retention_s after (followers apply them)."""
+        """Release what the rounds before ``applied_round`` needed: slices two rounds after they are applied (a slow
+        aggregator may still be fetching, a training check measuring), aggregates two rounds and state_retention_s
+        after (followers apply them)."""
         now = trio.current_time()
-        done = [r for r in self._slices if r < applied_round]
+        # Slices outlive their round by one more: a training check of a round (node/tasks/checks.py), or a proof
+        # against one of its updates, fetches whole updates after the round is applied.
+        done = [r for r in self._slices if r < applied_round - 1]
         # Aggregates also outlive their two rounds by state_retention_s: a joiner that synced a few short
         # rounds behind follows them, and must find them.
         for r in self._aggregates:

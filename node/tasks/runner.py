@@ -600,7 +600,8 @@ class TaskRunner:
             shard_ranges = self.hf.train_ranges(mine)
         else:
             ranges, _ = split_ranges(self.corpus_path.stat().st_size, spec.dataset.num_shards)
-            shard_ranges = [ranges[i] for i in mine]
+            # In shard order: the order its UpdateAnnounce names them in, which checkers read them in.
+            shard_ranges = [ranges[i] for i in sorted(mine)]
         a = spec.adamw
         processes = self._processes()
         # Steps taken while the exchange runs (not past the last round), carried into the next round.

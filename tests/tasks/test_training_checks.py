@@ -47,6 +47,7 @@ async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node
         honest = nodes[:3]
         await honest[0].tasks.publish(spec)
         await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        await wait_until(lambda: all(n.membership.is_banned(stale) for n in honest), timeout_s=60)
         checks = [runner(n, tid).checks for n in honest]
         status = [c.status() for c in checks]
         print(json.dumps(status))
@@ -109,6 +110,8 @@ async def test_a_copied_update_is_told_from_its_original_and_only_the_copier_is_
         honest = nodes[:3]
         await honest[0].tasks.publish(spec)
         await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        # Each confirmation fetches the copier's slices first, which can outlast these fast rounds.
+        await wait_until(lambda: all(n.membership.is_banned(copier) for n in honest), timeout_s=60)
         status = [runner(n, tid).checks.status() for n in honest]
         print(json.dumps(status))
         findings = [f for s in status for f in s["findings"]]
