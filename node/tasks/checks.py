@@ -67,7 +67,8 @@ class TrainingChecks:
         self._found_in: dict[str, list[int]] = {}
         """Per producer, the rounds of its latest findings."""
         self._bases: OrderedDict[int, compute.OuterState] = OrderedDict()
-        self._members: OrderedDict[int, list[str]] = OrderedDict()
+        self._trained: OrderedDict[int, None] = OrderedDict()
+        """The last rounds this node trained in: only a producer of the round judges its others."""
         self._sealed: OrderedDict[tuple[int, str], tuple[UpdateAnnounce, bytes]] = OrderedDict()
         self._gains: dict[tuple[int, str], dict[str, float] | None] = {}
         """Per (round, producer), its update's gain on its own batches and on others' (by whose), measured here
@@ -90,18 +91,18 @@ class TrainingChecks:
             while len(self._sealed) > (KEEP_ROUNDS + 2) * self.spec.max_members:
                 self._sealed.popitem(last=False)
 
-    def trained(self, round_: int, members: list[str]) -> None:
-        """The members this node's view of round ``round_`` held when it trained (the shard assignment's)."""
+    def trained(self, round_: int) -> None:
+        """This node trained in round ``round_``."""
         if self.enabled:
-            self._members[round_] = list(members)
-            _trim(self._members)
+            self._trained[round_] = None
+            _trim(self._trained)
 
     def applied(self, round_: int, base: compute.OuterState, contributors: list[str], nursery: trio.Nursery,
                 copies: list[str] = ()) -> None:
         """Round ``round_`` was applied from ``base`` (θ_r) with these contributors: check those this node is
         the checker of. ``copies``: producers the screen left out as near copies of each other, checked too
         (drawn among the contributors alike): the copy did not train on its own batches, the original did."""
-        if not self.enabled or round_ not in self._members:
+        if not self.enabled or round_ not in self._trained:
             return
         self._bases[round_] = base
         _trim(self._bases)
@@ -141,7 +142,7 @@ class TrainingChecks:
                  "measured here" if msg.round in self._bases else "for a round not applied here yet")
         if msg.round in self._bases:
             nursery.start_soon(self._check, msg.round, *claim)
-        elif self._members and max(self._members) <= msg.round <= max(self._members) + 1 and \
+        elif self._trained and max(self._trained) <= msg.round <= max(self._trained) + 1 and \
                 len(self._pending.get(msg.round, ())) < MAX_CHECKS_PER_ROUND:
             # A proof about the round this node is still closing: measured once it is applied here.
             self._pending.setdefault(msg.round, []).append(claim)

@@ -462,7 +462,7 @@ class TaskRunner:
 
     async def _produce(self, job: Train) -> Trained:
         """Train from θ_r, then publish Δ's int8 slices over SHARDCAST."""
-        self.checks.trained(job.round, list(job.members))
+        self.checks.trained(job.round)
         result = await self._train(job.round, list(job.members))
         self._round_train_s[job.round] = result.seconds
         if result.carried_steps:

@@ -42,10 +42,7 @@ def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_
     assert all(bad in node.status["banned_peers"] for node in honest)
     # Nothing forged was applied: the honest nodes agree on every round and their loss falls as it
     # does without an attacker (a -10x aggregate applied once sends it up by orders of magnitude).
-    rounds = {}
-    for task in tasks:
-        for row in task["agreement"]:
-            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    rounds = weights_by_round(tasks)
     assert sorted(rounds) == list(range(ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0] and max(losses) < losses[0] * 1.05, losses
@@ -60,6 +57,15 @@ def test_a_forging_aggregator_is_proven_banned_everywhere_and_never_applied(tmp_
 
 
 HOSTILE_ROUNDS = 8
+
+
+def weights_by_round(tasks: list[dict]) -> dict[int, set[str]]:
+    """The weights hashes the given nodes' task statuses report for each round."""
+    rounds: dict[int, set[str]] = {}
+    for task in tasks:
+        for row in task["agreement"]:
+            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    return rounds
 
 
 def hostile_run(tmp_path, attack: str):
@@ -100,10 +106,7 @@ def screened_out_and_never_credited(honest, other, run, reason: str) -> list[flo
     print(json.dumps({"screened": [task["screened"] for task in tasks],
                       "screened_applied": [task["screened_applied"] for task in tasks],
                       "eval_losses": tasks[0]["eval_losses"]}))
-    rounds = {}
-    for task in tasks:
-        for row in task["agreement"]:
-            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    rounds = weights_by_round(tasks)
     assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0], losses
@@ -150,10 +153,7 @@ def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_
     credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
                 if r.producer == other.peer_id}
     assert all(r <= last for r in credited), (credited, last)
-    rounds = {}
-    for task in tasks:
-        for row in task["agreement"]:
-            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    rounds = weights_by_round(tasks)
     assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0], losses
@@ -174,10 +174,7 @@ def test_a_free_rider_copying_another_producer_is_told_from_its_original_and_ban
     assert all(c["refuted"] == 0 for c in checks), checks
     assert all(other.peer_id in node.status["banned_peers"] for node in honest)
     assert all(not set(node.status["banned_peers"]) & {n.peer_id for n in honest} for node in honest)
-    rounds = {}
-    for task in tasks:
-        for row in task["agreement"]:
-            rounds.setdefault(row["round"], set()).add(row["weights_hash"])
+    rounds = weights_by_round(tasks)
     assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     # Credited for nothing it copied: its slices were left out as copies until it was banned.
     credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
