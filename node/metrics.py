@@ -149,6 +149,8 @@ def task_samples(node) -> Iterable[Sample]:
                t.get("verifications", 0))
         yield ("shoal_task_trainer_restarts_total", "counter", "Times the trainer child died and was restarted",
                task, t.get("trainer_restarts", 0))
+        yield ("shoal_task_updates_resent_total", "counter", "Rounds answered after a restart with the update "
+               "this node had already signed for them", task, t.get("updates_resent", 0))
         yield ("shoal_task_receipts", "gauge", "Receipts in this node's ledger for the task (`shoal ledger`)",
                task, t.get("receipts", 0))
         yield ("shoal_task_receipt_write_errors_total", "counter", "Rounds whose receipts could not be written",

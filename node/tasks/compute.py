@@ -89,15 +89,22 @@ def split_with_feedback(delta: Named, num_slices: int, codec: Codec,
 
 
 RESIDUAL_PREFIX = "residual-r"
+INNER_OPT_PREFIX = "inner-opt-r"
+"""The inner AdamW state after training round r: round r+1 trains from it, and a round retrained after a
+restart from the newest one before it, as the first attempt did (one file per task would be a round ahead)."""
+LEGACY_INNER_OPT = "inner_opt.safetensors"
 
 
-def load_residual(directory: Path, round_: int) -> Named | None:
-    """The error-feedback residual left by the newest update before ``round_`` (work redone for a round starts
-    from the same residual as the first attempt); older ones are deleted."""
+def round_file(directory: Path, prefix: str, round_: int) -> Path:
+    return directory / f"{prefix}{round_}.safetensors"
+
+
+def newest_before(directory: Path, prefix: str, round_: int) -> Path | None:
+    """The newest ``prefix<r>.safetensors`` with r < ``round_``; the older ones are deleted."""
     found = []
-    for path in directory.glob(f"{RESIDUAL_PREFIX}*.safetensors"):
+    for path in directory.glob(f"{prefix}*.safetensors"):
         try:
-            r = int(path.name[len(RESIDUAL_PREFIX):-len(".safetensors")])
+            r = int(path.name[len(prefix):-len(".safetensors")])
         except ValueError:
             continue
         if r < round_:
@@ -107,14 +114,34 @@ def load_residual(directory: Path, round_: int) -> Named | None:
     found.sort()
     for _, path in found[:-1]:
         path.unlink(missing_ok=True)
+    return found[-1][1]
+
+
+def inner_opt_paths(directory: Path, round_: int) -> tuple[Path | None, Path]:
+    """(the inner optimizer state to train round ``round_`` from, where its state after the round goes)."""
+    legacy = directory / LEGACY_INNER_OPT
+    read = newest_before(directory, INNER_OPT_PREFIX, round_)
+    if read is None and legacy.exists():
+        read = legacy  # written by a node before these files had rounds: it holds the newest state
+    elif read is not None:
+        legacy.unlink(missing_ok=True)
+    return read, round_file(directory, INNER_OPT_PREFIX, round_)
+
+
+def load_residual(directory: Path, round_: int) -> Named | None:
+    """The error-feedback residual left by the newest update before ``round_`` (work redone for a round starts
+    from the same residual as the first attempt); older ones are deleted."""
+    path = newest_before(directory, RESIDUAL_PREFIX, round_)
+    if path is None:
+        return None
     try:
-        return load_named(found[-1][1])
+        return load_named(path)
     except (OSError, SafetensorError):
         return None  # a torn file: the feedback restarts from nothing, which costs only precision
 
 
 def save_residual(directory: Path, round_: int, residual: Named) -> None:
-    save_named(directory / f"{RESIDUAL_PREFIX}{round_}.safetensors", residual, durable=False)
+    save_named(round_file(directory, RESIDUAL_PREFIX, round_), residual, durable=False)
 
 
 def _feed(writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:

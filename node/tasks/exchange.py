@@ -115,13 +115,13 @@ class Exchange:
 
     # -- publishing ------------------------------------------------------------------------------
 
-    async def publish_payload(self, data: bytearray, label: str) -> str:
+    async def publish_payload(self, data: bytearray, label: str, version: int | None = None) -> str:
         """One int8 payload as a one-tensor manifest, published straight from its buffer."""
-        return _manifest_hex(await self._publish_payload(data, label))
+        return _manifest_hex(await self._publish_payload(data, label, version))
 
-    async def _publish_payload(self, data: bytearray, label: str) -> Manifest:
+    async def _publish_payload(self, data: bytearray, label: str, version: int | None = None) -> Manifest:
         entries, _ = layout_tensors([(compute.PAYLOAD, "uint8", (len(data),))])
-        return await self.shardcast.publish_blob(data, entries, label=label, durable=False)
+        return await self.shardcast.publish_blob(data, entries, label=label, version=version, durable=False)
 
     async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
         """The trainer's Δ for ``round_``, encoded slice by slice at the task's compression and published: one
@@ -135,9 +135,22 @@ class Exchange:
             await trio.to_thread.run_sync(compute.save_residual, self.dir, round_, residual)
         else:
             payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
-        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}") for s, p in enumerate(payloads)]
+        # Versioned by round, not by the clock: the same bytes published again are the same manifests.
+        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}", version=round_)
+               for s, p in enumerate(payloads)]
         self._slices.setdefault(round_, set()).update(bytes.fromhex(i) for i in ids)
         return ids
+
+    def holds_update(self, round_: int, manifest_ids) -> bool:
+        """Whether the store still holds every shard of these slices (an update published before a restart);
+        if so they are kept, and released, with the round's other slices."""
+        store = self.shardcast.store
+        mids = [bytes.fromhex(i) for i in manifest_ids]
+        signed = [store.get_manifest(m) for m in mids]
+        if any(s is None or not all(store.has_shard(h) for h in s.manifest.shard_hashes) for s in signed):
+            return False
+        self._slices.setdefault(round_, set()).update(mids)
+        return True
 
     async def publish_state(self, state: compute.OuterState, label: str) -> str:
         """θ and the outer state for joiners and dissenters; the previous state published here is released

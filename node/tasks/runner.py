@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from node.tasks import compute, history
+from node.tasks import compute, history, produced
 from node.tasks.checks import TrainingChecks, shards_of
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
@@ -122,6 +122,8 @@ class TaskRunner:
         self.trainer = None
         """The trainer child while the task trains (None before it starts and once the task is done)."""
         self.trainer_restarts = 0
+        self.updates_resent = 0
+        """Rounds this process answered with the update a previous process of this node signed (produced.py)."""
         self._trainer_generation = 0
         self._restart_lock = trio.Lock()
         self._restarted_at: list[float] = []
@@ -152,6 +154,7 @@ class TaskRunner:
             "training_checks": self.checks.status(),
             "trainer_pid": self.trainer.pid if self.trainer is not None else None,
             "trainer_restarts": self.trainer_restarts,
+            "updates_resent": self.updates_resent,
             "peers": self._peer_rows(m),
         }
 
@@ -461,8 +464,16 @@ class TaskRunner:
             return True
 
     async def _produce(self, job: Train) -> Trained:
-        """Train from θ_r, then publish Δ's int8 slices over SHARDCAST."""
+        """Train from θ_r, then publish Δ's int8 slices over SHARDCAST; or, restarted into a round whose update
+        this node already signed, announce that one again (node/tasks/produced.py)."""
         self.checks.trained(job.round)
+        kept = await trio.to_thread.run_sync(produced.load, self.dir, job.round, job.base_hash)
+        if kept is not None and self.exchange.holds_update(job.round, kept["manifest_ids"]):
+            log.info("task %s round %d: announcing again the update signed before this node restarted",
+                     self.tid[:12], job.round)
+            self.updates_resent += 1
+            return Trained(round=job.round, samples=kept["samples"], manifest_ids=tuple(kept["manifest_ids"]),
+                           losses=tuple(kept["losses"]), shards=tuple(kept["shards"]))
         result = await self._train(job.round, list(job.members))
         self._round_train_s[job.round] = result.seconds
         if result.carried_steps:
@@ -470,9 +481,14 @@ class TaskRunner:
         self.train_s += result.seconds
         ids = await self.exchange.publish_update(Path(result.out_path), job.round)
         shards = shards_of(self.tid, job.round, self.me, list(job.members), self.spec.dataset.num_shards)
-        return Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
-                       losses=tuple(x for _, x in result.losses[-8:]),
-                       shards=tuple(sorted(shards)) if len(shards) <= MAX_CLAIMED_SHARDS else ())
+        trained = Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
+                          losses=tuple(x for _, x in result.losses[-8:]),
+                          shards=tuple(sorted(shards)) if len(shards) <= MAX_CLAIMED_SHARDS else ())
+        # On disk before the machine announces it: whatever kills us from here on, this is our update of the round.
+        await trio.to_thread.run_sync(lambda: produced.save(
+            self.dir, job.round, base_hash=job.base_hash, samples=trained.samples, manifest_ids=trained.manifest_ids,
+            losses=trained.losses, shards=trained.shards))
+        return trained
 
     async def _verify(self, job: Verify):
         started = trio.current_time()
@@ -606,13 +622,14 @@ class TaskRunner:
         processes = self._processes()
         # Steps taken while the exchange runs (not past the last round), carried into the next round.
         overlap = round(spec.overlap * spec.inner_steps) if processes == 1 and r + 1 < spec.rounds else 0
+        opt_in, opt_out = await trio.to_thread.run_sync(compute.inner_opt_paths, self.dir, r)
         return await self.trainer.train(
             model=self._model_request(), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
             shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,
             seed=derive_seed(self.tid, r, self.me), out_path=self.dir / "update.safetensors",
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
-            time_budget_s=spec.time_budget_s or None, opt_state_path=self.dir / "inner_opt.safetensors",
+            time_budget_s=spec.time_budget_s or None, opt_state_path=opt_in, opt_state_out=opt_out,
             device=self._device(), processes=processes, shard=self._shard(processes), overlap=overlap,
             carry=spec.overlap > 0)
 

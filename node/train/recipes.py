@@ -87,8 +87,9 @@ def train(req: dict, *, device, progress, ranks=None) -> dict:
         return {}
     delta = pseudo_gradient(base, result["weights"])
     save_named(req["out_path"], delta)
-    if opt_path:
-        save_named(opt_path, result["opt_state"])
+    opt_out = req.get("opt_state_out") or opt_path
+    if opt_out:
+        save_named(opt_out, result["opt_state"])
     return {"samples": result["samples"], "steps": result["steps"], "losses": [[s, x] for s, x in result["losses"]],
             "seconds": result["seconds"], "out_path": req["out_path"], "base_hash": weights_hash(base),
             "update_hash": weights_hash(delta),

@@ -7,7 +7,8 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
     {"op": "train", "model": {n_layer, n_head, d_model, seq_len, dropout?}, "base_path",
      "data_path", "shard_ranges": [[start, end], ...], "steps", "batch_size", "seed",
      "out_path", "time_budget_s"?: float|None, "adamw"?: {lr, beta1, beta2, eps, weight_decay,
-     warmup_steps, grad_clip}, "opt_state_path"?: str|None, "log_every"?: int, "overlap"?: int,
+     warmup_steps, grad_clip}, "opt_state_path"?: str|None, "opt_state_out"?: str|None,
+     "log_every"?: int, "overlap"?: int,
      "carry"?: bool, "processes"?: int, "shard"?: bool}
       -> {"ok": true, "samples", "steps", "losses": [[step, loss], ...], "seconds",
           "carried_steps", "out_path", "base_hash", "update_hash"}
@@ -17,8 +18,9 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
 train writes the pseudo-gradient Δ = base − trained (float32, named, safetensors) to out_path,
 since Δ is what the round compresses and ships; base_hash and update_hash are weights_hash of
 the base it loaded and of Δ. If opt_state_path is given, the AdamW state is read from it when
-the file exists and written back after training, so a peer's inner optimizer carries across
-rounds. Shard ranges are byte ranges of data_path, concatenated in the order given.
+the file exists and written after training to opt_state_out (default: back to opt_state_path), so a
+peer's inner optimizer carries across rounds; a node that keeps one file per round retrains a round
+after a restart from the same state as the first time. Shard ranges are byte ranges of data_path, concatenated in the order given.
 
 With "overlap" (a number of steps), the worker keeps training on the same data after it replies,
 until the next request arrives or that many steps are taken (the round's exchange runs meanwhile).
@@ -170,9 +172,11 @@ def _train(req: dict, device, ranks) -> dict:
     steps = _field(req, "steps", int)
     budget = _field(req, "time_budget_s", (int, float), None)
     opt_path = _field(req, "opt_state_path", str, None)
+    opt_out = _field(req, "opt_state_out", str, opt_path)
     out_path = _field(req, "out_path", str)
     batch_size = _field(req, "batch_size", int)
-    if carry is not None and not (req.get("carry") is True and ranks is None and carry.key == (opt_path, config)
+    key = _carry_key(opt_out, config)
+    if carry is not None and not (req.get("carry") is True and ranks is None and carry.key == key
                                   and carry.batch_size == batch_size and carry.steps <= steps):
         carry = None  # another task's, or more steps than this round may claim: trained from its base as usual
     if carry is not None:
@@ -183,7 +187,7 @@ def _train(req: dict, device, ranks) -> dict:
         opt_state = load_named(opt_path) if opt_path and os.path.exists(opt_path) else None
         loop = InnerLoop(model_config=config, weights=base, adamw=adamw, opt_state=opt_state, device=device,
                          ranks=ranks)
-        carry = Carry(key=(opt_path, config), loop=loop, batch_size=batch_size)
+        carry = Carry(key=key, loop=loop, batch_size=batch_size)
     remaining = steps - carry.steps
     if remaining >= 1:
         result = train_inner(model_config=config, base_weights=base, data=data, steps=remaining,
@@ -198,8 +202,8 @@ def _train(req: dict, device, ranks) -> dict:
         return {}
     delta = pseudo_gradient(base, weights)
     save_named(out_path, delta)
-    if opt_path:
-        save_named(opt_path, opt_state)
+    if opt_out:
+        save_named(opt_out, opt_state)
     ahead = min(steps, _field(req, "overlap", int, 0))
     if ahead > 0 and ranks is None:
         # Keep training on this round's data while the daemon exchanges the update (serve() steps it
@@ -220,12 +224,17 @@ def _train(req: dict, device, ranks) -> dict:
     }
 
 
+def _carry_key(opt_out: str | None, config) -> tuple:
+    """Where the optimizer state lives (a task's directory, whichever round's file) and the model config."""
+    return (os.path.dirname(opt_out) if opt_out else None, config)
+
+
 @dataclass(kw_only=True)
 class Carry:
     """Inner steps taken between requests (task option overlap), to be carried into the next round."""
 
     key: tuple
-    """(the optimizer state's path, the model config): the task and model the steps belong to."""
+    """(the optimizer state's directory, the model config): the task and model the steps belong to."""
     loop: Any
     batch_size: int
     sent: dict | None = None
