@@ -119,6 +119,12 @@ class Membership:
             except trio.WouldBlock:
                 pass
 
+    def is_gone(self, peer_id: str) -> bool:
+        """Known to the peer table and no longer alive: its connections closed, or silent past suspect_after_s
+        (a peer never heard, or forgotten, is not judged)."""
+        record = self.table.peers.get(peer_id)
+        return record is not None and record.state is not PeerState.ALIVE
+
     def is_banned(self, peer_id: str) -> bool:
         return self.scores.is_banned(peer_id, trio.current_time())
 

@@ -1294,7 +1294,10 @@ class TaskMachine:
         return i
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
-        collected = set(rec.updates)
+        # A producer gone since it was collected serves its slices to nobody: no aggregate still to come can
+        # account for it, so the slice does not wait for one (an aggregator whose draw left the dead producer out
+        # would otherwise wait for a co-aggregator that, by its own draw, has no slice to make).
+        collected = {p for p in rec.updates if self.live(p, now)}
         heard = rec.heard_updates
         eligible = set(rec.members)
         banned = self.audit.banned
@@ -1335,8 +1338,8 @@ class TaskMachine:
                 m.aggregator for m in got.values()
                 if m.aggregator in expected and m.result_hash == best.result_hash and m.key() == best.key()}) >= 2
             overdue_s = rec.collected_at + CONFIRM_SHARE * self.round_deadline_s
-            check = cached[3] or (not confirmed and (not waiting or now >= overdue_s)) \
-                or (rec.producing and self._spot(rec, s))
+            check = (cached[3] or (not confirmed and (not waiting or now >= overdue_s))
+                     or (rec.producing and self._spot(rec, s))) and not self._voted_past(rec, now)
             if check and best.aggregator != self.self_id and not self.audit.verdict(best.key())[0]:
                 inputs = self._inputs_of(rec, best)
                 complete = False
@@ -1388,6 +1391,15 @@ class TaskMachine:
                      for c in chosen)
         best = self._best_known(now) if not rec.producing else None
         return [*overdue, Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
+
+    def _voted_past(self, rec: RoundState, now: float) -> bool:
+        """A round followed to catch up that the swarm has since voted on: its aggregates are not recomputed. The
+        vote that closes it here checks them (weights other than the members' lose it, and the members' are
+        fetched instead), and their inputs may be released already: a recomputation would wait out its fetches."""
+        if rec.producing:
+            return False
+        best = self._best_known(now)
+        return best is not None and best.round > rec.index + 1
 
     def _recent_contributors(self, r: int) -> set[str]:
         """Producers an aggregate this node applied included within CONTRIBUTED_ROUNDS before round ``r``."""

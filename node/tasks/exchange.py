@@ -36,6 +36,11 @@ AGGREGATE_FETCH_SHARE = 0.5
 """An aggregator fetches producers' slices for at most this share of the round deadline, then combines
 what arrived. Members gather for one round deadline: a producer that announced and then died (a SIGKILL)
 or stalls must cost the slice its contribution, not make the aggregate miss that deadline everywhere."""
+PRODUCER_GONE_S = 1.0
+"""Nor does it wait for a producer's slice once the producer has been gone this long (its connections closed, or
+silent past the membership's suspect time): the slice would come only when a restarted process serves it, if it
+comes back at all, while the round waits on this aggregate."""
+GONE_POLL_S = 0.2
 KEEP_STATES = 2
 """States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
 SCREENED = {"empty": "next to nothing (zeros)",
@@ -52,7 +57,7 @@ deadline) started while it was the newest must find it, however many short round
 class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
                  penalize: Callable[[str, str], None], num_params: Callable[[], int],
-                 banned: Callable[[str], bool] = lambda peer: False):
+                 banned: Callable[[str], bool] = lambda peer: False, gone: Callable[[str], bool] = lambda peer: False):
         self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
         self.codec = CODECS[spec.compression]
         """How the producers' slices are encoded."""
@@ -61,6 +66,8 @@ class Exchange:
         self.num_params = num_params
         """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
         self.me, self.keypair, self.penalize, self.banned = keypair.peer_id, keypair, penalize, banned
+        self.gone = gone
+        """Whether a peer is gone by the membership's account (it says nothing of ourselves)."""
         self.screened: Counter[str] = Counter()
         """Slices this node's aggregations left out by the screen, by reason (robust.screen's)."""
         self.offers: dict[str, DatasetOffer] = {}
@@ -200,19 +207,28 @@ class Exchange:
         sources: dict[str, Manifest] = {}
 
         async def one(update) -> None:
-            try:
-                manifest, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
-                                                           deadline_s, kept=self._slices, round_=job.round,
-                                                           codec=self.codec)
-                got[update.producer] = (data, update.samples)
-                sources[update.producer] = manifest
-            except RemoteProtocolError as exc:
-                log.warning("task %s round %d: slice %d from %s rejected: %s", self.tid[:12], job.round,
-                            job.slice, update.producer, exc)
-                self.penalize(update.producer, "corrupt_shard")
-            except (TransportError, trio.TooSlowError) as exc:
-                log.info("task %s round %d: slice %d from %s not fetched: %s", self.tid[:12], job.round,
-                         job.slice, update.producer, str(exc) or "timed out")
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as watch:
+                    if update.producer != self.me:
+                        watch.start_soon(self._cancel_when_gone, update.producer, scope)
+                    try:
+                        manifest, data = await self._fetch_payload(
+                            update.manifest_ids[job.slice], update.producer, numel, deadline_s, kept=self._slices,
+                            round_=job.round, codec=self.codec)
+                        got[update.producer] = (data, update.samples)
+                        sources[update.producer] = manifest
+                    except RemoteProtocolError as exc:
+                        log.warning("task %s round %d: slice %d from %s rejected: %s", self.tid[:12], job.round,
+                                    job.slice, update.producer, exc)
+                        self.penalize(update.producer, "corrupt_shard")
+                    except (TransportError, trio.TooSlowError) as exc:
+                        log.info("task %s round %d: slice %d from %s not fetched: %s", self.tid[:12], job.round,
+                                 job.slice, update.producer, str(exc) or "timed out")
+                    finally:
+                        watch.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                log.info("task %s round %d: slice %d from %s not fetched: its producer is gone", self.tid[:12],
+                         job.round, job.slice, update.producer)
 
         async with trio.open_nursery() as nursery:
             for update in job.updates:
@@ -277,6 +293,19 @@ class Exchange:
                 raise IntegrityError(f"{update.manifest_ids[s][:16]} is labelled {manifest.label!r}, not {label!r}")
             parts.append(await trio.to_thread.run_sync(compute.decode_slice, data, b - a, self.codec))
         return torch.cat(parts)
+
+    async def _cancel_when_gone(self, peer: str, scope: trio.CancelScope) -> None:
+        gone_since = None
+        while True:
+            await trio.sleep(GONE_POLL_S)
+            now = trio.current_time()
+            if not self.gone(peer):
+                gone_since = None
+            elif gone_since is None:
+                gone_since = now
+            elif now - gone_since >= PRODUCER_GONE_S:
+                scope.cancel()
+                return
 
     async def verify(self, job: Verify) -> Verified:
         """Recompute an aggregate from exactly the slices it lists (fetched from their producers or any

@@ -80,7 +80,7 @@ class TaskRunner:
         """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
                                  keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params,
-                                 banned=node.membership.is_banned)
+                                 banned=node.membership.is_banned, gone=node.membership.is_gone)
         self.checks = TrainingChecks(spec=spec, task_id=tid, me=self.me, fetch_update=self.exchange.fetch_update,
                                      applied_mean=self.exchange.applied_mean,
                                      penalize=node.membership.penalize, publish=self._publish,

@@ -200,36 +200,11 @@ class Swarm:
                                             Trained(round=e.round, samples=MAX_SAMPLES + 1 if name in self.overclaim
                                                     else 10, manifest_ids=ids, losses=(1.0,))))
             elif isinstance(e, Aggregate) and name not in self.mute:
-                left = {u.producer: self.screen[u.producer] for u in e.updates if u.producer in self.screen}
-                if name in self.frame:
-                    victim = next((u.producer for u in e.updates if u.producer not in left and u.producer != name), None)
-                    if victim is not None:
-                        left[victim] = "opposed"
-                kept = [u for u in e.updates if u.producer not in left]
-                if name in self.omit and len(kept) > 1:
-                    kept = [u for u in kept if u.producer != name][1:] + [u for u in kept if u.producer == name]
-                if not kept:
-                    continue  # every slice screened out: no aggregate, as on a node
-                out = sorted((u for u in e.updates if u.producer in left), key=lambda u: u.producer)
-                result = truth(e.round, e.slice, kept)
-                if name in self.forge:
-                    result = h("forged", name, result)
-                if name in self.collude:
-                    result = h("forged", "collusion", result)
-                if name in self.equivocate:
-                    self._equivocate(name, e, kept, result)
-                made = Aggregated(round=e.round, slice=e.slice, included=tuple(u.producer for u in kept),
-                                  inputs=tuple(u.manifest_ids[e.slice] for u in kept),
-                                  manifest_id=result, result_hash=result,
-                                  screened=tuple(u.producer for u in out),
-                                  screened_inputs=tuple(u.manifest_ids[e.slice] for u in out),
-                                  screened_why=tuple(left[u.producer] for u in out))
-                if name in self.collude:
-                    self._vouch(name, made)
                 if self.aggregate_s.get(name):
-                    heapq.heappush(self.later, (self.now + self.aggregate_s[name], next(self._seq), name, made))
+                    # Its fetches take that long: producers dead by their end are left out.
+                    heapq.heappush(self.later, (self.now + self.aggregate_s[name], next(self._seq), name, e))
                 else:
-                    self.local(name, made)
+                    self._aggregate(name, e)
             elif isinstance(e, Verify):
                 self.verifications += 1
                 claimed = {i.producer: why for i, why in e.screened}
@@ -276,6 +251,36 @@ class Swarm:
         m = self.machines[name]
         if m.head is not None and m.stage is not Stage.SYNCING:
             self.saved[name] = m.head  # what the node's checkpoint holds
+
+    def _aggregate(self, name: str, e: Aggregate) -> None:
+        left = {u.producer: self.screen[u.producer] for u in e.updates if u.producer in self.screen}
+        if name in self.frame:
+            victim = next((u.producer for u in e.updates if u.producer not in left and u.producer != name), None)
+            if victim is not None:
+                left[victim] = "opposed"
+        # A dead producer serves its slices to nobody: the aggregator's fetch of them gives up.
+        kept = [u for u in e.updates if u.producer not in left and u.producer not in self.dead]
+        if name in self.omit and len(kept) > 1:
+            kept = [u for u in kept if u.producer != name][1:] + [u for u in kept if u.producer == name]
+        if not kept:
+            return  # every slice screened out: no aggregate, as on a node
+        out = sorted((u for u in e.updates if u.producer in left), key=lambda u: u.producer)
+        result = truth(e.round, e.slice, kept)
+        if name in self.forge:
+            result = h("forged", name, result)
+        if name in self.collude:
+            result = h("forged", "collusion", result)
+        if name in self.equivocate:
+            self._equivocate(name, e, kept, result)
+        made = Aggregated(round=e.round, slice=e.slice, included=tuple(u.producer for u in kept),
+                          inputs=tuple(u.manifest_ids[e.slice] for u in kept),
+                          manifest_id=result, result_hash=result,
+                          screened=tuple(u.producer for u in out),
+                          screened_inputs=tuple(u.manifest_ids[e.slice] for u in out),
+                          screened_why=tuple(left[u.producer] for u in out))
+        if name in self.collude:
+            self._vouch(name, made)
+        self.local(name, made)
 
     def _vouch(self, name: str, made: Aggregated) -> None:
         for other in sorted(self.collude - {name} - self.dead):
@@ -367,7 +372,11 @@ class Swarm:
             self.now = max(self.now, nxt)
             while self.later and self.later[0][0] <= self.now:
                 _, _, name, event = heapq.heappop(self.later)
-                self.local(name, event)
+                if isinstance(event, Aggregate):
+                    if name not in self.dead:
+                        self._aggregate(name, event)
+                else:
+                    self.local(name, event)
             self.run()
             if self.now >= self.next_heartbeat:
                 self.next_heartbeat = self.now + HEARTBEAT_S

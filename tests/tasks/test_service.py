@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import trio
 
@@ -102,4 +104,42 @@ async def test_members_leave_out_the_spec_while_another_member_has_just_re_gossi
         assert 10 <= sent <= 2 * 20, sent
         late = await swarm.add("e")  # and a newcomer still hears it within moments
         await wait_until(lambda: runner(late, tid) is not None or tid in late.tasks.tasks, timeout_s=10)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_the_fetch_deadline(network, tmp_path,
+                                                                                              monkeypatch, caplog):
+    # Its slices can never be fetched (nobody else holds them): aggregators used to wait for them until the
+    # fetch deadline, half of a round deadline, and every member with them; and a member that drew the slice's
+    # aggregators once the producer was gone waited for a co-aggregator that, by its own draw, had no slice to
+    # make. With a 600 s deadline the task below finishes only if nobody waits for the dead producer.
+    from node.tasks.runner import TaskRunner
+    from protocol.task import UpdateAnnounce
+    caplog.set_level(logging.INFO, logger="shoal.tasks")
+    spec = tiny_spec(rounds=3, min_members=3, round_deadline_s=600.0)
+    tid = task_id(spec)
+    publish = TaskRunner._publish
+    killed = trio.Event()
+
+    async def publishing(self, msg):
+        await publish(self, msg)
+        if isinstance(msg, UpdateAnnounce) and msg.round == 1 and self.me == victim_id and not killed.is_set():
+            network.kill(victim_id)  # at once, before any aggregator can fetch a slice of it
+            killed.set()
+
+    monkeypatch.setattr(TaskRunner, "_publish", publishing)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abcd"]
+        victim_id = nodes[3].keypair.peer_id
+        await swarm.connected()
+        await nodes[0].tasks.publish(spec)
+        with trio.fail_after(60):
+            await killed.wait()
+        swarm.scopes["d"].cancel()
+        survivors = nodes[:3]
+        await wait_until(lambda: all(finished(n, tid) for n in survivors), timeout_s=120)
+        gone = [r.getMessage() for r in caplog.records if "its producer is gone" in r.getMessage()]
+        assert gone and all(victim_id in m for m in gone), gone
+        assert len({final_hash(n, tid) for n in survivors}) == 1
         nursery.cancel_scope.cancel()

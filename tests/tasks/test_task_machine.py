@@ -129,6 +129,38 @@ def test_a_joiner_whose_fetch_outlasts_several_rounds_follows_them_all_instead_o
     assert behind
 
 
+def test_a_joiner_following_rounds_the_swarm_voted_past_recomputes_none_of_them():
+    # One aggregator a slice: no aggregate is ever confirmed by a second, so members recompute each. The
+    # joiner does not for the rounds it follows behind the swarm: their inputs may be released by then (a
+    # recomputation would wait out its fetches), and the vote closing each round checks what it applied.
+    from protocol.audit import Verify
+    sim = Swarm(["a", "b", "c"], rounds=16, k=1, sync_s=3 * TRAIN_S, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.add("e")
+    sim.run_until(sim.all_done, 300)
+    assert len(final_hashes(sim)) == 1 and not sim.disagreements()
+    followed = {e.round for n, e in sim.events if n == "e" and isinstance(e, Apply) and e.behind}
+    checked = {e.round for n, e in sim.events if n == "e" and isinstance(e, Verify)}
+    assert followed and not followed & checked, (followed, checked)
+    assert {e.round for n, e in sim.events if n == "a" and isinstance(e, Verify)}, "members recompute as before"
+
+
+def test_a_joiner_whose_followed_round_gives_other_weights_than_the_members_loses_the_vote_and_takes_theirs():
+    # What lets a followed round go unrecomputed: applying a forgery (here, a wrong outer step) leaves weights the
+    # members did not vote for, and the joiner fetches theirs.
+    sim = Swarm(["a", "b", "c"], rounds=16, k=1, sync_s=3 * TRAIN_S, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 30)
+    sim.add("e")
+    sim.lie.add("e")
+    sim.run_until(lambda: any(n == "e" and isinstance(e, Apply) and e.behind for n, e in sim.events), 60,
+                  step_s=0.05)
+    sim.lie.discard("e")
+    wrong_at = next(i for i, (n, e) in enumerate(sim.events) if n == "e" and isinstance(e, Apply) and e.behind)
+    sim.run_until(sim.all_done, 300)
+    assert len(final_hashes(sim)) == 1
+    assert [e for n, e in sim.events[wrong_at:] if n == "e" and isinstance(e, FetchState)], "it re-synced"
+
+
 def test_a_joiner_that_follows_slower_than_the_rounds_keeps_its_declared_round_and_trains():
     # Applying a followed round takes the joiner longer than a round takes the swarm: it is overtaken
     # while it follows, fetches the weights of the round it declared, and trains from there; declaring
