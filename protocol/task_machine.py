@@ -284,8 +284,8 @@ class ScreenedOut:
 @dataclass(frozen=True, slots=True)
 class Impossible:
     """``peer`` signed what no honest node can: an update claiming more samples than the task's inner steps
-    draw (``inner_steps x batch_size``: a bid for more weight in the mean) or another number of slices, or
-    two results for one aggregate. Every node that hears it decides alike: the peer is banned from the task
+    draw (``inner_steps x batch_size``: a bid for more weight in the mean) or another number of slices, two
+    updates of one round from the same weights, or two results for one aggregate. Every node that hears it decides alike: the peer is banned from the task
     and owed nothing from now on."""
 
     round: int
@@ -704,6 +704,9 @@ class TaskMachine:
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.producer, now)
+        if rec is not None and msg.producer != self.self_id and msg.producer not in self.audit.banned \
+                and any(u.base_hash == msg.base_hash and u != msg for u in rec.heard_updates.get(msg.producer, ())):
+            return self._two_updates(rec, msg, now)
         if rec is None or rec.phase in (Phase.VOTING, Phase.CLOSED):
             self.dropped["late_update"] += 1
             return []
@@ -732,6 +735,19 @@ class TaskMachine:
             if cached is not None and msg.producer not in cached[1]:
                 del self._members_cache[rec.index]
         return self._advance(rec, now) if rec.index == self.current else []
+
+    def _two_updates(self, rec: RoundState, msg: UpdateAnnounce, now: float) -> list[Effect]:
+        """A producer signed two updates of one round from the same weights: an equivocator sending each peer its
+        own, which splits the aggregators' inputs. An honest node never does (a restarted one announces the update
+        it signed before, node/tasks/produced.py). Banned; its update leaves this round's collection, and what was
+        heard of it stays, so aggregates already made over either version are still ranked and recomputed alike."""
+        self._hear_update(rec, msg)
+        rec.updates.pop(msg.producer, None)
+        rec.updated_of = None
+        self._members_cache.pop(rec.index, None)
+        effects = self._ban(Impossible(msg.round, msg.producer, f"signed two updates of round {msg.round} from the "
+                                                                f"same weights"))
+        return effects + (self._advance(rec, now) if rec.index == self.current else [])
 
     @staticmethod
     def _hear_update(rec: RoundState, msg: UpdateAnnounce) -> None:

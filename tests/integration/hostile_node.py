@@ -13,6 +13,8 @@ the protocol:
     overclaim  it trains honestly and claims 10x the samples it trained on (more weight in the mean)
     equivocate every aggregate it makes goes out twice: as made, and with another result over the same
                inputs (each its own lie), and it never bans anyone
+    two_updates it trains honestly and signs each update twice: as made, and the same slices published again as
+               other manifests (a second update of the round from the same weights, each fetchable and valid)
 
 Only the trust tests and scripts/bench_byzantine.py start it; nothing in Shoal imports it."""
 
@@ -29,7 +31,7 @@ from node.tasks.exchange import Exchange
 from protocol.audit import Audit
 from protocol import task_machine
 
-ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy")
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy", "two_updates")
 ATTACK = os.environ.get("HOSTILE_ATTACK", "")
 if ATTACK not in ATTACKS:
     sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
@@ -56,14 +58,14 @@ def _update(self, data, slice_index: int):
     return data
 
 
-async def _hostile_publish(self, data, label):
+async def _hostile_publish(self, data, label, version=None):
     update, aggregate = _UPDATE.search(label), _AGGREGATE.search(label)
     if update and ATTACK not in ("forge", "overclaim"):
         data = _update(self, data, int(update.group(1)))
     elif aggregate and ATTACK == "forge":
         numel = self._slice_numel(int(aggregate.group(1)))
         data[:] = self.out.encode(-10.0 * compute.decode_slice(data, numel, self.out))
-    return await _publish(self, data, label)
+    return await _publish(self, data, label, version)
 
 
 Exchange._publish_payload = _hostile_publish
@@ -85,6 +87,25 @@ if ATTACK == "equivocate":
             await _send(self, dataclasses.replace(msg, result_hash=lie, manifest_id=lie))
 
     TaskRunner._publish = _twice
+if ATTACK == "two_updates":
+    from node.tasks.runner import TaskRunner
+    from protocol.task import UpdateAnnounce
+    _send_update = TaskRunner._publish
+
+    async def _two(self, msg):
+        await _send_update(self, msg)
+        if isinstance(msg, UpdateAnnounce) and msg.producer == self.me:
+            ids = []
+            for s, mid in enumerate(msg.manifest_ids):
+                _, data = await self.exchange._fetch_payload(mid, self.me, self.exchange._slice_numel(s), 10.0,
+                                                             kept=self.exchange._slices, round_=msg.round,
+                                                             codec=self.exchange.codec)
+                ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
+                                                               f"task/{self.tid[:12]}/r{msg.round}/u{s}",
+                                                               version=10**9 + msg.round))
+            await _send_update(self, dataclasses.replace(msg, manifest_ids=tuple(ids)))
+
+    TaskRunner._publish = _two
 if ATTACK == "copy":
     import trio
 

@@ -180,3 +180,18 @@ def test_a_free_rider_copying_another_producer_is_told_from_its_original_and_ban
     credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
                 if r.producer == other.peer_id}
     assert not credited, credited
+
+
+@pytest.mark.timeout(300)
+def test_a_producer_signing_two_updates_of_each_round_is_banned_everywhere_and_the_honest_agree(tmp_path):
+    # Both versions are real updates its slices back: aggregators that heard different ones first would combine
+    # different inputs. Every honest node hears both (gossip relays them) and bans it as the second arrives.
+    honest, other, run = hostile_run(tmp_path, "two_updates")
+    tasks = [node.status["task"] for node in honest]
+    assert all(task["banned"] == [other.peer_id] for task in tasks), [task["banned"] for task in tasks]
+    assert all(other.peer_id in node.status["banned_peers"] for node in honest)
+    assert all(not set(node.status["banned_peers"]) & {n.peer_id for n in honest} for node in honest)
+    rounds = weights_by_round(tasks)
+    assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    logs = [(node.data_dir / "node.log").read_text() for node in honest]
+    assert all("two updates of round" in text for text in logs)

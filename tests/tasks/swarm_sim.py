@@ -16,7 +16,7 @@ from collections import deque
 from protocol.audit import UNDECODABLE, Accused, Audit, FalseAccusation, Forged, Verified, Verify
 from protocol.heard import HeardLog
 from protocol.round import Head
-from protocol.task import AggregateAnnounce, TaskJoin, WeightsAnnounce
+from protocol.task import AggregateAnnounce, TaskJoin, UpdateAnnounce, WeightsAnnounce
 from protocol.task_machine import (Aggregate, Aggregated, Applied, Apply, Dissent, FetchState, Finished,
                                    MakeInitial, PeerGone, Publish, RoundClosed, ScreenedOut, Stage, Synced, SyncFailed,
                                    TaskMachine, Train, Trained)
@@ -84,6 +84,9 @@ class Swarm:
         self.equivocate: dict[str, str] = {}
         """Aggregators that also sign a second version of each aggregate, sent first to half of the others and a
         moment later to the rest: "result" (the same inputs, a forged result) or "inputs" (one producer fewer)."""
+        self.two_updates: set[str] = set()
+        """Producers that sign a second update of each round (other slices, the same base) and send each half of the
+        others one version first, the other a moment later (as gossip relays it)."""
         self.omit: set[str] = set()
         """Aggregators that leave one other producer's update out of each aggregate without a word (so their
         aggregate never covers every update the others collected)."""
@@ -190,7 +193,9 @@ class Swarm:
             self.events.append((name, e))
             if isinstance(e, Publish) and isinstance(e.message, WeightsAnnounce) and name in self.inflate:
                 e = Publish(dataclasses.replace(e.message, work=e.message.work + self.inflate[name]))
-            if isinstance(e, Publish):
+            if isinstance(e, Publish) and isinstance(e.message, UpdateAnnounce) and name in self.two_updates:
+                self._two_updates(name, e.message)
+            elif isinstance(e, Publish):
                 self.broadcast(name, e.message)
                 if isinstance(e.message, WeightsAnnounce):
                     self.announced[name] = e.message
@@ -281,6 +286,17 @@ class Swarm:
         if name in self.collude:
             self._vouch(name, made)
         self.local(name, made)
+
+    def _two_updates(self, name: str, msg: UpdateAnnounce) -> None:
+        other = dataclasses.replace(msg, manifest_ids=tuple(h("other", m) for m in msg.manifest_ids))
+        peers = [n for n in self.alive() if n != name]
+        first, rest = peers[: len(peers) // 2], peers[len(peers) // 2:]
+        self.queue.append(("msg", name, msg, self.group[name], first))
+        self.queue.append(("msg", name, other, self.group[name], rest))
+        for n in rest:
+            heapq.heappush(self.later, (self.now + 0.5, next(self._seq), n, msg))
+        for n in first:
+            heapq.heappush(self.later, (self.now + 0.5, next(self._seq), n, other))
 
     def _vouch(self, name: str, made: Aggregated) -> None:
         for other in sorted(self.collude - {name} - self.dead):

@@ -225,6 +225,25 @@ def test_a_producer_that_overclaims_its_samples_is_banned_everywhere_and_holds_n
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_a_producer_signing_two_updates_of_a_round_is_banned_by_every_node_and_the_honest_agree(seed):
+    # Each half of the swarm hears its own version first: aggregators would combine different inputs.
+    from protocol.task_machine import Impossible
+    sim = Swarm(["a", "b", "c", "d", "x"], rounds=6, slices=2, k=2, min_members=3, seed=seed)
+    sim.two_updates.add("x")
+    honest = ["a", "b", "c", "d"]
+    sim.run_until(lambda: all(sim.machines[n].stage is Stage.DONE for n in honest), 300)
+    refused = [(n, e) for n, e in sim.events if isinstance(e, Impossible)]
+    assert sorted(n for n, _ in refused) == honest, refused  # once per node: banned from then on
+    assert all(e.peer_id == "x" and "two updates of round" in e.reason for _, e in refused)
+    assert all(sim.machines[n].audit.banned == {"x"} for n in honest)
+    assert len({sim.history[n][5] for n in honest}) == 1
+    assert not [e for n, e in sim.events if n in honest and isinstance(e, Apply) and not e.chosen]
+    late = {e.round for n, e in sim.events if n in honest and isinstance(e, Apply) for a in e.chosen
+            if "x" in a.included}
+    assert late <= {0}, late  # its first round's update may be in before its second version is heard
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_an_aggregator_signing_two_results_for_one_aggregate_is_banned_by_every_node_that_hears_both(seed):
     from protocol.task_machine import Impossible
     names = ["a", "b", "c", "d", "e"]

@@ -88,11 +88,12 @@ def test_each_round_trains_from_the_inner_state_the_round_before_left(tmp_path):
 def test_a_round_record_is_only_taken_for_its_round_and_base(tmp_path):
     base = "ab" * 32
     produced.save(tmp_path, 4, base_hash=base, samples=48, manifest_ids=["cd" * 32, "ef" * 32], losses=[2.5],
-                  shards=[1, 3])
+                  shards=[1, 3], update_hash="01" * 32)
     assert produced.load(tmp_path, 4, base)["manifest_ids"] == ["cd" * 32, "ef" * 32]
     assert produced.load(tmp_path, 4, "12" * 32) is None  # re-synced to other weights: trained afresh
     assert produced.load(tmp_path, 5, base) is None
     (tmp_path / f"{produced.PREFIX}4.json").write_text('{"round": 4, "base_hash": "' + base + '"')
     assert produced.load(tmp_path, 4, base) is None  # torn
-    produced.save(tmp_path, 6, base_hash=base, samples=1, manifest_ids=["cd" * 32], losses=[], shards=[])
+    produced.save(tmp_path, 6, base_hash=base, samples=1, manifest_ids=["cd" * 32], losses=[], shards=[],
+                  update_hash="01" * 32)
     assert not (tmp_path / f"{produced.PREFIX}4.json").exists()
