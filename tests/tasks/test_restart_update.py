@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 ROUND = 1
 
 
+@pytest.mark.parametrize("store_lost_it", [False, True])
 async def test_a_producer_restarted_into_a_round_it_sent_its_update_for_sends_the_same_one(network, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, store_lost_it):
     spec = tiny_spec(rounds=4, min_members=3, round_deadline_s=30.0)
     tid = task_id(spec)
     heard: dict[tuple[str, int], set[tuple[str, ...]]] = {}
@@ -59,6 +60,9 @@ async def test_a_producer_restarted_into_a_round_it_sent_its_update_for_sends_th
         record = task_dir / f"{produced.PREFIX}{ROUND}.json"
         assert record.exists(), "the update's record is on disk before it is announced"
         kept = json.loads(record.read_text())
+        if store_lost_it:  # (a power cut before the slices reached the disk): encoded again from the trainer's Δ
+            for mid in kept["manifest_ids"]:
+                (tmp_path / "c" / "shardcast" / "manifests" / f"{mid}.sealed").unlink()
 
         back = await swarm.add("c")
         await wait_until(lambda: all(finished(n, tid) for n in [*nodes[:2], back]), timeout_s=120)
