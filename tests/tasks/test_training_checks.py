@@ -1,15 +1,18 @@
 """Training checks through the task service (node/tasks/checks.py): a member that replays its first update is
 measured on its own batches by its checker, proven to every node and banned by all; one that sends another's
 update as its own is told from its original by their batches and banned alone; a proof against an honest
-producer, or one that proves nothing, costs its sender and bans nobody."""
+producer, or one that proves nothing, costs its sender and bans nobody; a flood of them is measured once and
+bans its sender."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
+import pytest
 import trio
 
-from node.tasks.checks import shards_of
+from node.tasks.checks import TrainingChecks, shards_of
 from node.tasks.exchange import Exchange
 from node.tasks.runner import TaskRunner
 from protocol.envelope import open_sealed, seal
@@ -128,10 +131,22 @@ async def test_a_copied_update_is_told_from_its_original_and_only_the_copier_is_
         nursery.cancel_scope.cancel()
 
 
-async def test_a_false_training_proof_costs_its_sender_and_bans_nobody(network, tmp_path):
+@pytest.mark.parametrize("copies", [1, 12])
+async def test_a_false_training_proof_costs_its_sender_and_a_flood_of_them_is_measured_once(network, tmp_path,
+                                                                                           monkeypatch, copies):
+    # One false proof costs its sender false_accusation and bans nobody; a flood of them (the same accusation with
+    # other gains: each a new message) is measured once per node, and every node that measures bans its sender.
     spec = tiny_spec(rounds=5, inner_steps=12)
     tid = task_id(spec)
     hostile = Keypair.from_label("false-checker")
+    measured: Counter = Counter()
+    measure = TrainingChecks._measure
+
+    async def counting(self, round_, producer, owners, gains):
+        measured[(self.me, round_, producer)] += 1
+        return await measure(self, round_, producer, owners, gains)
+
+    monkeypatch.setattr(TrainingChecks, "_measure", counting)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, tmp_path, network)
         nodes = [await swarm.add(n) for n in "abc"]
@@ -147,16 +162,24 @@ async def test_a_false_training_proof_costs_its_sender_and_bans_nobody(network, 
             await wait_until(lambda: all(runner(n, tid).state is not None and runner(n, tid).state.round >= 2
                                          for n in nodes), timeout_s=60)
             impostor = seal(UpdateAnnounce(**{f: getattr(update, f) for f in update.__slots__}), hostile)
-            for inner in (sealed, b"\x00 not an envelope", impostor):
-                proof = TrainingProof(task_id=tid, accuser=hostile.peer_id, update=inner, gain=-1.0)
+            for inner in (b"\x00 not an envelope", impostor, *[sealed] * copies):
+                proof = TrainingProof(task_id=tid, accuser=hostile.peer_id, update=inner, gain=-1.0 - measured.total())
                 await h.publish(task_topic(tid), seal(proof, hostile))
+                measured[None] += 1  # each proof its own message
             await wait_until(lambda: all(finished(n, tid) for n in nodes), timeout_s=120)
         drops = [n.traffic.drops for n in nodes]
         assert all(d["malformed"] >= 1 and d["impersonation"] >= 1 for d in drops), drops
         # Measured again by every node but the victim (which does not judge itself): it trained, so the accuser pays.
+        judges = [n for n in nodes if n.keypair.peer_id != victim]
         refuted = [runner(n, tid).checks.counts["refuted"] for n in nodes]
-        assert sum(refuted) == len(nodes) - 1 and refuted[[n.keypair.peer_id for n in nodes].index(victim)] == 0
-        assert all(d["false_accusation"] >= 1 for n, d in zip(nodes, drops) if n.keypair.peer_id != victim), drops
+        assert refuted[[n.keypair.peer_id for n in nodes].index(victim)] == 0
+        assert all(r >= 1 for n, r in zip(nodes, refuted) if n in judges), refuted
+        assert all(d["false_accusation"] >= 1 for n, d in zip(nodes, drops) if n in judges), drops
+        # However many proofs, the accused update is measured at most once on each node (once as its checker).
+        assert all(measured[(n.keypair.peer_id, 1, victim)] <= 1 for n in nodes), measured
+        assert all(n.membership.is_banned(hostile.peer_id) == (copies > 1) for n in judges)
+        if copies == 1:
+            assert sum(refuted) == len(judges)
         for node in nodes:
             assert not any(node.membership.is_banned(m.keypair.peer_id) for m in nodes)
             assert runner(node, tid).checks.strikes == {}
