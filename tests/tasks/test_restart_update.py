@@ -17,11 +17,10 @@ from protocol.task import UpdateAnnounce, task_id
 from protocol.task_machine import TaskMachine
 from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until
 
-pytestmark = pytest.mark.slow
-
 ROUND = 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_lost_it", [False, True])
 async def test_a_producer_restarted_into_a_round_it_sent_its_update_for_sends_the_same_one(network, tmp_path,
                                                                                           monkeypatch, store_lost_it):
