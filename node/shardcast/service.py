@@ -46,6 +46,10 @@ _MAX_HOLDERS_PER_MANIFEST = 4096
 HASH_THREADS = 2
 
 
+def _signed_by(signed: SignedManifest | None, signer: str | None) -> bool:
+    return signed is not None and (signer is None or signed.signer == signer)
+
+
 class ShardcastService:
     """One node's SHARDCAST: construct it, then ``await nursery.start(service.run)``."""
 
@@ -249,15 +253,19 @@ class ShardcastService:
 
     # fetching
 
-    async def fetch(self, manifest_id: bytes, *, progress: Callable[[FetchProgress], None] | None = None) -> Manifest:
+    async def fetch(self, manifest_id: bytes, *, signer: str | None = None,
+                    progress: Callable[[FetchProgress], None] | None = None) -> Manifest:
         """Fetch every shard of a manifest from whoever holds them; returns it once all are verified on disk.
 
+        ``signer``: only that peer's signature of the manifest will do. A manifest's id covers its content, not
+        who signed it, so anyone can sign a copy of another's manifest and answer queries with it; the store
+        then keeps the named signer's (the shards are the same).
         TransferTimeout if the manifest cannot be found, or no shard arrives for stall_timeout_s.
         """
         assert self._running, "start the service with nursery.start(service.run) first"
         self._active_fetches[manifest_id] += 1
         try:
-            signed = await self._resolve_manifest(manifest_id)
+            signed = await self._resolve_manifest(manifest_id, signer)
             await trio.to_thread.run_sync(self.store.put_manifest, signed)
             state = FetchState(self, signed, progress)
             await state.run()
@@ -270,28 +278,30 @@ class ShardcastService:
         await self._gc()
         return signed.manifest
 
-    async def _resolve_manifest(self, manifest_id: bytes) -> SignedManifest:
+    async def _resolve_manifest(self, manifest_id: bytes, signer: str | None = None) -> SignedManifest:
         deadline = trio.current_time() + self.config.stall_timeout_s
         while True:
-            signed = self.store.get_manifest(manifest_id) or self._known.get(manifest_id)
-            if signed is not None:
-                return signed
+            for signed in (self.store.get_manifest(manifest_id), self._known.get(manifest_id)):
+                if _signed_by(signed, signer):
+                    return signed
             if trio.current_time() >= deadline:
-                raise TransferTimeout(f"manifest {manifest_id.hex()[:16]} not found on any connected peer")
+                by = "" if signer is None else f" signed by {signer}"
+                raise TransferTimeout(f"manifest {manifest_id.hex()[:16]}{by} not found on any connected peer")
             changed = self._changed
-            await self.query_peers(manifest_id)
-            if manifest_id in self._known:
+            await self.query_peers(manifest_id, signer)
+            if _signed_by(self._known.get(manifest_id), signer):
                 continue
             with trio.move_on_after(self.config.query_interval_s):
                 await changed.wait()
 
-    async def query_peers(self, manifest_id: bytes) -> None:
-        """Ask every connected peer for the manifest and its bitfield, in parallel, each bounded."""
+    async def query_peers(self, manifest_id: bytes, signer: str | None = None) -> None:
+        """Ask every connected peer for the manifest (``signer``'s, if named) and its bitfield, in parallel, each
+        bounded."""
         async with trio.open_nursery() as nursery:
             for peer in self.host.connected_peers():
-                nursery.start_soon(self._query_one, peer, manifest_id)
+                nursery.start_soon(self._query_one, peer, manifest_id, signer)
 
-    async def _query_one(self, peer: str, manifest_id: bytes) -> None:
+    async def _query_one(self, peer: str, manifest_id: bytes, signer: str | None = None) -> None:
         cfg = self.config
         try:
             with trio.fail_after(cfg.stream_open_timeout_s + 2 * cfg.inactivity_s):
@@ -312,8 +322,10 @@ class ShardcastService:
         if resp is None:
             return
         try:
-            if resp.sealed_manifest and manifest_id not in self._known:
-                self._remember(open_manifest(resp.sealed_manifest, expected_id=manifest_id))
+            if resp.sealed_manifest and not _signed_by(self._known.get(manifest_id), signer):
+                opened = open_manifest(resp.sealed_manifest, expected_id=manifest_id)
+                if _signed_by(opened, signer):
+                    self._remember(opened)
             signed = self._known.get(manifest_id) or self.store.get_manifest(manifest_id)
             if resp.bitfield and signed is not None:
                 n = signed.manifest.num_shards

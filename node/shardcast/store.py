@@ -228,9 +228,11 @@ class ShardStore:
     # manifests
 
     def put_manifest(self, signed: SignedManifest) -> None:
-        """Store (or refresh the recency of) a verified manifest."""
+        """Store (or refresh the recency of) a verified manifest; another signer's copy of it (the same id and
+        shards) replaces the one held, on disk too."""
         path = self.manifest_dir / f"{signed.manifest_id.hex()}.sealed"
-        if path.exists():
+        held = self._manifests.get(signed.manifest_id)
+        if path.exists() and (held is None or held.signer == signed.signer):
             os.utime(path)
         else:
             write_atomic(path, signed.sealed, tmp_dir=self.tmp_dir)

@@ -10,9 +10,10 @@ import trio
 
 from p2p.framing import send_message
 from protocol.envelope import seal
+from protocol.keys import Keypair
 from protocol.manifest import STATUS_OK, Have, ShardHeader, bitfield_from_indices, manifest_id
 
-from node.shardcast import TOPIC, ShardcastConfig, transfer
+from node.shardcast import TOPIC, ShardcastConfig, ShardStore, transfer
 from tests.shardcast.conftest import FAST, wait_until
 
 
@@ -278,3 +279,27 @@ async def test_a_slow_holder_is_hedged_and_never_holds_up_the_fetch(swarm, tmp_p
     assert took_s < 16 * drip_s, f"the fetch waited on the slow holder ({took_s:.1f} s)"
     assert rx.service.statistics().bytes_fetched_by_peer == {pub.peer_id: m.total_bytes}
     assert not rx.penalties, "a slow holder is not a hostile one"
+
+
+async def test_a_copy_of_a_manifest_signed_by_another_is_not_taken_for_the_signers_own(swarm):
+    # A manifest's id covers its content, not its signer: anyone can sign the same manifest and answer queries with
+    # it. The task layer names whose slice it wants; a copy answered first used to make an honest producer's slice
+    # look unsigned by it (its aggregate then recomputed as forged).
+    honest = await swarm.add("honest")
+    mimic = await swarm.add("mimic")
+    rx = await swarm.add("rx")
+    with trio.fail_after(30):
+        await _mesh_ready([honest, mimic, rx])
+        m = await honest.service.publish_tensors(_tensors(), label="task/r1/u0", version=1)
+        copy = await mimic.service.publish_tensors(_tensors(), label="task/r1/u0", version=1)
+        mid = manifest_id(m)
+        assert manifest_id(copy) == mid and rx.store.get_manifest(mid) is None
+        got = await rx.service.fetch(mid, signer=mimic.peer_id)  # rx now holds the mimic's copy
+        assert got == m and rx.store.get_manifest(mid).signer == mimic.peer_id
+        got = await rx.service.fetch(mid, signer=honest.peer_id)
+    assert got == m and rx.store.get_manifest(mid).signer == honest.peer_id
+    reopened = ShardStore.open(rx.data_dir)  # and so does its disk
+    assert reopened.get_manifest(mid).signer == honest.peer_id
+    rx.service.config = ShardcastConfig(**{**FAST, "stall_timeout_s": 0.5})
+    with trio.fail_after(10), pytest.raises(TimeoutError):
+        await rx.service.fetch(mid, signer=Keypair.from_label("nobody").peer_id)
