@@ -266,7 +266,10 @@ class ShardcastService:
         self._active_fetches[manifest_id] += 1
         try:
             signed = await self._resolve_manifest(manifest_id, signer)
-            await trio.to_thread.run_sync(self.store.put_manifest, signed)
+            held = self.store.get_manifest(manifest_id)
+            if held is None or held.signer != self.keypair.peer_id:
+                # Our own signature of a manifest we published stays what we serve, whoever else signed a copy.
+                await trio.to_thread.run_sync(self.store.put_manifest, signed)
             state = FetchState(self, signed, progress)
             await state.run()
             self._stats.last_fetch_bytes_per_s = state.bytes_per_s()

@@ -297,6 +297,9 @@ async def test_a_copy_of_a_manifest_signed_by_another_is_not_taken_for_the_signe
         got = await rx.service.fetch(mid, signer=mimic.peer_id)  # rx now holds the mimic's copy
         assert got == m and rx.store.get_manifest(mid).signer == mimic.peer_id
         got = await rx.service.fetch(mid, signer=honest.peer_id)
+        # A publisher asked for another's copy of its own manifest (one announced it as theirs) keeps its own.
+        await honest.service.fetch(mid, signer=mimic.peer_id)
+    assert honest.store.get_manifest(mid).signer == honest.peer_id
     assert got == m and rx.store.get_manifest(mid).signer == honest.peer_id
     reopened = ShardStore.open(rx.data_dir)  # and so does its disk
     assert reopened.get_manifest(mid).signer == honest.peer_id
