@@ -285,8 +285,8 @@ class ScreenedOut:
 class Impossible:
     """``peer`` signed what no honest node can: an update claiming more samples than the task's inner steps
     draw (``inner_steps x batch_size``: a bid for more weight in the mean) or another number of slices, two
-    updates of one round from the same weights, or two results for one aggregate. Every node that hears it decides alike: the peer is banned from the task
-    and owed nothing from now on."""
+    updates of one round from the same weights, or two results for one aggregate. Every node that hears it
+    decides alike: the peer is banned from the task and owed nothing from now on."""
 
     round: int
     peer_id: str

@@ -8,8 +8,9 @@ inputs' result), zeros (a free-rider), sign_flip (-10x its update), gaussian (it
 10x its rms), stale (its first update replayed every round), overclaim (10x the samples it trained on
 claimed, for 10x the weight in the mean), equivocate (each aggregate it makes announced twice, the second
 time with another result over the same inputs), copy (each round another producer's update published as its
-own, nothing trained), two_updates (each update signed twice, the same slices as other manifests). Two baselines run first: clean (every node honest) and
-honest_only (the honest nodes alone, the attackers never started). Per run, read from the honest nodes:
+own, nothing trained), two_updates (each update signed twice, the same slices as other manifests). Two
+baselines run first: clean (every node honest) and honest_only (the honest nodes alone, the attackers never
+started). Per run, read from the honest nodes:
 
     loss_vs_clean_pct         final held-out loss against the clean run of the same setup (%)
     loss_vs_honest_only_pct   the same against the honest nodes training alone (the attackers never

@@ -20,7 +20,8 @@ since Δ is what the round compresses and ships; base_hash and update_hash are w
 the base it loaded and of Δ. If opt_state_path is given, the AdamW state is read from it when
 the file exists and written after training to opt_state_out (default: back to opt_state_path), so a
 peer's inner optimizer carries across rounds; a node that keeps one file per round retrains a round
-after a restart from the same state as the first time. Shard ranges are byte ranges of data_path, concatenated in the order given.
+after a restart from the same state as the first time. Shard ranges are byte ranges of data_path,
+concatenated in the order given.
 
 With "overlap" (a number of steps), the worker keeps training on the same data after it replies,
 until the next request arrives or that many steps are taken (the round's exchange runs meanwhile).
