@@ -205,36 +205,39 @@ class Exchange:
         got: dict[str, tuple[object, int]] = {}
         sources: dict[str, Manifest] = {}
 
-        async def one(update) -> None:
-            with trio.CancelScope() as scope:
-                async with trio.open_nursery() as watch:
-                    if update.producer != self.me:
-                        watch.start_soon(self._cancel_when_gone, update.producer, scope)
-                    try:
-                        manifest, data = await self._fetch_payload(
-                            update.manifest_ids[job.slice], update.producer, numel, deadline_s, kept=self._slices,
-                            round_=job.round, codec=self.codec)
-                        got[update.producer] = (data, update.samples)
-                        sources[update.producer] = manifest
-                    except RemoteProtocolError as exc:
-                        log.warning("task %s round %d: slice %d from %s rejected: %s", self.tid[:12], job.round,
-                                    job.slice, update.producer, exc)
-                        self.penalize(update.producer, "corrupt_shard")
-                    except (TransportError, trio.TooSlowError) as exc:
-                        log.info("task %s round %d: slice %d from %s not fetched: %s", self.tid[:12], job.round,
-                                 job.slice, update.producer, str(exc) or "timed out")
-                    finally:
-                        watch.cancel_scope.cancel()
+        pending: dict[str, trio.CancelScope] = {}
+        """Per producer whose slice is being fetched, the fetch's scope: cancelled once the producer is gone."""
+
+        async def one(update, scope: trio.CancelScope) -> None:
+            with scope:
+                try:
+                    manifest, data = await self._fetch_payload(update.manifest_ids[job.slice], update.producer, numel,
+                                                               deadline_s, kept=self._slices, round_=job.round,
+                                                               codec=self.codec)
+                    got[update.producer] = (data, update.samples)
+                    sources[update.producer] = manifest
+                except RemoteProtocolError as exc:
+                    log.warning("task %s round %d: slice %d from %s rejected: %s", self.tid[:12], job.round,
+                                job.slice, update.producer, exc)
+                    self.penalize(update.producer, "corrupt_shard")
+                except (TransportError, trio.TooSlowError) as exc:
+                    log.info("task %s round %d: slice %d from %s not fetched: %s", self.tid[:12], job.round,
+                             job.slice, update.producer, str(exc) or "timed out")
+            pending.pop(update.producer, None)
             if scope.cancelled_caught:
                 log.info("task %s round %d: slice %d from %s not fetched: its producer is gone", self.tid[:12],
                          job.round, job.slice, update.producer)
 
-        async with trio.open_nursery() as nursery:
-            for update in job.updates:
-                # A producer this node banned (after it announced) no longer serves us: fetching its slice
-                # would only wait out the fetch deadline.
-                if not self.banned(update.producer):
-                    nursery.start_soon(one, update)
+        async with trio.open_nursery() as watching:
+            watching.start_soon(self._cancel_when_gone, pending)
+            async with trio.open_nursery() as nursery:
+                for update in job.updates:
+                    # A producer this node banned (after it announced) no longer serves us: fetching its slice
+                    # would only wait out the fetch deadline.
+                    if not self.banned(update.producer):
+                        scope = pending[update.producer] = trio.CancelScope()
+                        nursery.start_soon(one, update, scope)
+            watching.cancel_scope.cancel()
         if not got:
             return None
         screened: dict[str, str] = {}
@@ -293,18 +296,18 @@ class Exchange:
             parts.append(await trio.to_thread.run_sync(compute.decode_slice, data, b - a, self.codec))
         return torch.cat(parts)
 
-    async def _cancel_when_gone(self, peer: str, scope: trio.CancelScope) -> None:
-        gone_since = None
+    async def _cancel_when_gone(self, pending: dict[str, trio.CancelScope]) -> None:
+        """Cancel each fetch in ``pending`` (by producer) once its producer has been gone PRODUCER_GONE_S; one
+        watcher for the whole aggregation, until it is cancelled."""
+        gone_since: dict[str, float] = {}
         while True:
             await trio.sleep(GONE_POLL_S)
             now = trio.current_time()
-            if not self.gone(peer):
-                gone_since = None
-            elif gone_since is None:
-                gone_since = now
-            elif now - gone_since >= PRODUCER_GONE_S:
-                scope.cancel()
-                return
+            for peer, scope in list(pending.items()):
+                if peer == self.me or not self.gone(peer):
+                    gone_since.pop(peer, None)
+                elif now - gone_since.setdefault(peer, now) >= PRODUCER_GONE_S:
+                    scope.cancel()
 
     async def verify(self, job: Verify) -> Verified:
         """Recompute an aggregate from exactly the slices it lists (fetched from their producers or any

@@ -1,8 +1,7 @@
 """The update this node signed for a round, kept on disk so that a restarted process announces it again.
 
 A producer killed after its update went out and restarted into the same round would otherwise train the round
-again and sign a second update with other bytes (other manifests: on a GPU the inner steps are not
-bit-identical, and a manifest's version is its publish time). Peers that heard different ones aggregate
+again and sign a second update with other bytes (on a GPU the inner steps are not bit-identical). Peers that heard different ones aggregate
 different inputs, and the swarm splits for a round. The record is written, durably, before the machine
 publishes the update; the runner answers a Train for that round and base from it, with the slices the shard store
 still holds or encodes again from the trainer's Δ.
@@ -24,12 +23,9 @@ def _path(directory: Path, round_: int) -> Path:
     return directory / f"{PREFIX}{round_}.json"
 
 
-def save(directory: Path, round_: int, *, base_hash: str, samples: int, manifest_ids, losses, shards,
-         update_hash: str) -> None:
-    """``update_hash``: the trainer's weights_hash of Δ (update.safetensors), from which the same slices can be
-    encoded again if the store lost them."""
+def save(directory: Path, round_: int, *, base_hash: str, samples: int, manifest_ids, losses, shards) -> None:
     record = {"round": round_, "base_hash": base_hash, "samples": samples, "manifest_ids": list(manifest_ids),
-              "losses": list(losses), "shards": list(shards), "update_hash": update_hash}
+              "losses": list(losses), "shards": list(shards)}
     write_atomic(_path(directory, round_), json.dumps(record, separators=(",", ":")).encode())
     for old in directory.glob(f"{PREFIX}*.json"):
         try:
@@ -52,6 +48,6 @@ def load(directory: Path, round_: int, base_hash: str) -> dict | None:
     if not (isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids)
             and isinstance(losses, list) and all(isinstance(x, (int, float)) for x in losses)
             and isinstance(shards, list) and all(isinstance(i, int) for i in shards)
-            and isinstance(record.get("samples"), int) and isinstance(record.get("update_hash"), str)):
+            and isinstance(record.get("samples"), int)):
         return None
     return record

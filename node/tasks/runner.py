@@ -28,7 +28,6 @@ from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
-from node.train.diloco import load_named, weights_hash
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
 from protocol.audit import Accused, FalseAccusation, Forged, Verify, open_proof
@@ -489,22 +488,21 @@ class TaskRunner:
         # On disk before the machine announces it: whatever kills us from here on, this is our update of the round.
         await trio.to_thread.run_sync(lambda: produced.save(
             self.dir, job.round, base_hash=job.base_hash, samples=trained.samples, manifest_ids=trained.manifest_ids,
-            losses=trained.losses, shards=trained.shards, update_hash=result.update_hash))
+            losses=trained.losses, shards=trained.shards))
         return trained
 
     async def _resend(self, round_: int, kept: dict) -> bool:
         """Whether the slices of the update this node signed for ``round_`` are in the store again: still there, or
-        encoded once more, bit for bit, from the Δ the trainer left (the same residual before it, the same
-        manifests). A second, different update of the round would be banned by every peer that hears both."""
+        encoded once more from the Δ the trainer left, which gives the same manifests only if it is the same Δ (the
+        same residual before it, manifests versioned by round). A second, different update of the round would be
+        banned by every peer that hears both."""
         ids = tuple(kept["manifest_ids"])
         if self.exchange.holds_update(round_, ids):
             return True
-        delta = self.dir / "update.safetensors"
         try:
-            same = await trio.to_thread.run_sync(lambda: weights_hash(load_named(delta)) == kept["update_hash"])
+            return tuple(await self.exchange.publish_update(self.dir / "update.safetensors", round_)) == ids
         except (OSError, SafetensorError):
-            return False
-        return same and tuple(await self.exchange.publish_update(delta, round_)) == ids
+            return False  # no Δ left to encode: trained again
 
     async def _verify(self, job: Verify):
         started = trio.current_time()

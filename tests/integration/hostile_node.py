@@ -69,6 +69,19 @@ async def _hostile_publish(self, data, label, version=None):
 
 
 Exchange._publish_payload = _hostile_publish
+
+
+async def _as_own(self, update, round_: int, version=None) -> list[str]:
+    """``update``'s slices (fetched, or read from our store), published again under this node's signature: the
+    manifest ids of each."""
+    ids = []
+    for s, mid in enumerate(update.manifest_ids):
+        _, data = await self.exchange._fetch_payload(mid, update.producer, self.exchange._slice_numel(s),
+                                                     self.spec.round_deadline_s, kept=self.exchange._slices,
+                                                     round_=round_, codec=self.exchange.codec)
+        ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
+                                                       f"task/{self.tid[:12]}/r{round_}/u{s}", version=version))
+    return ids
 if ATTACK == "overclaim":
     _on_trained = task_machine.TaskMachine._on_Trained
     task_machine._HANDLERS[task_machine.Trained] = lambda self, ev, now: _on_trained(
@@ -95,14 +108,7 @@ if ATTACK == "two_updates":
     async def _two(self, msg):
         await _send_update(self, msg)
         if isinstance(msg, UpdateAnnounce) and msg.producer == self.me:
-            ids = []
-            for s, mid in enumerate(msg.manifest_ids):
-                _, data = await self.exchange._fetch_payload(mid, self.me, self.exchange._slice_numel(s), 10.0,
-                                                             kept=self.exchange._slices, round_=msg.round,
-                                                             codec=self.exchange.codec)
-                ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
-                                                               f"task/{self.tid[:12]}/r{msg.round}/u{s}",
-                                                               version=10**9 + msg.round))
+            ids = await _as_own(self, msg, msg.round, version=10**9 + msg.round)
             await _send_update(self, dataclasses.replace(msg, manifest_ids=tuple(ids)))
 
     TaskRunner._publish = _two
@@ -120,13 +126,7 @@ if ATTACK == "copy":
             others = sorted(p for p in (rec.updates if rec else {}) if p != self.me)
             if others:
                 victim = rec.updates[others[0]]
-                ids = []
-                for s, mid in enumerate(victim.manifest_ids):
-                    _, data = await self.exchange._fetch_payload(mid, victim.producer, self.exchange._slice_numel(s),
-                                                                 self.spec.round_deadline_s, kept=self.exchange._slices,
-                                                                 round_=job.round, codec=self.exchange.codec)
-                    ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
-                                                                   f"task/{self.tid[:12]}/r{job.round}/u{s}"))
+                ids = await _as_own(self, victim, job.round)
                 shards = tuple(sorted(checks.shards_of(self.tid, job.round, self.me, list(job.members),
                                                        self.spec.dataset.num_shards)))
                 return Trained(round=job.round, samples=self.spec.inner_steps * self.spec.batch_size,

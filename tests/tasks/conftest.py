@@ -81,6 +81,25 @@ class Swarm:
                          timeout_s=timeout_s)
 
 
+def when_update_sent(monkeypatch, producer, when, then) -> trio.Event:
+    """Patch every runner's gossip: once ``producer()``'s runner has published an UpdateAnnounce for which
+    ``when(msg)`` holds, the returned event is set and ``await then(runner)`` runs in that publish, before anything
+    else can."""
+    from node.tasks.runner import TaskRunner
+    from protocol.task import UpdateAnnounce
+    sent = trio.Event()
+    publish = TaskRunner._publish
+
+    async def publishing(self, msg):
+        await publish(self, msg)
+        if isinstance(msg, UpdateAnnounce) and self.me == producer() and not sent.is_set() and when(msg):
+            sent.set()
+            await then(self)
+
+    monkeypatch.setattr(TaskRunner, "_publish", publishing)
+    return sent
+
+
 def runner(node, tid):
     known = node.tasks.tasks.get(tid)
     return None if known is None else known.runner
@@ -96,4 +115,4 @@ def network() -> FakeNetwork:
     return FakeNetwork()
 
 
-__all__ = ["Swarm", "corpus_sha", "dataclasses", "finished", "runner", "tiny_spec", "wait_until"]
+__all__ = ["Swarm", "corpus_sha", "dataclasses", "finished", "runner", "tiny_spec", "wait_until", "when_update_sent"]

@@ -8,7 +8,8 @@ import pytest
 import trio
 
 from protocol.task import SPECS_TOPIC, task_id
-from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until
+from protocol.task_machine import Phase
+from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until, when_update_sent
 
 pytestmark = pytest.mark.slow
 
@@ -113,21 +114,20 @@ async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_th
     # fetch deadline, half of a round deadline, and every member with them; and a member that drew the slice's
     # aggregators once the producer was gone waited for a co-aggregator that, by its own draw, had no slice to
     # make. With a 600 s deadline the task below finishes only if nobody waits for the dead producer.
-    from node.tasks.runner import TaskRunner
-    from protocol.task import UpdateAnnounce
     caplog.set_level(logging.INFO, logger="shoal.tasks")
     spec = tiny_spec(rounds=3, min_members=3, round_deadline_s=600.0)
     tid = task_id(spec)
-    publish = TaskRunner._publish
-    killed = trio.Event()
 
-    async def publishing(self, msg):
-        await publish(self, msg)
-        if isinstance(msg, UpdateAnnounce) and msg.round == 1 and self.me == victim_id and not killed.is_set():
-            network.kill(victim_id)  # at once, before any aggregator can fetch a slice of it
-            killed.set()
+    async def kill(_):
+        network.kill(victim_id)  # at once, before any aggregator can fetch a slice of it
 
-    monkeypatch.setattr(TaskRunner, "_publish", publishing)
+    def counted(msg) -> bool:
+        """Every other node still collects the update's round: it is counted, and its slices will be fetched."""
+        machines = [r.machine for r in (runner(n, tid) for n in nodes[:3]) if r is not None]
+        recs = [m.rounds_seen.get(msg.round) for m in machines if m.current == msg.round]
+        return len(recs) == 3 and all(r is not None and r.phase in (Phase.TRAINING, Phase.COLLECTING) for r in recs)
+
+    killed = when_update_sent(monkeypatch, lambda: victim_id, counted, kill)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, tmp_path, network)
         nodes = [await swarm.add(n) for n in "abcd"]

@@ -162,10 +162,10 @@ async def test_a_false_training_proof_costs_its_sender_and_a_flood_of_them_is_me
             await wait_until(lambda: all(runner(n, tid).state is not None and runner(n, tid).state.round >= 2
                                          for n in nodes), timeout_s=60)
             impostor = seal(UpdateAnnounce(**{f: getattr(update, f) for f in update.__slots__}), hostile)
-            for inner in (b"\x00 not an envelope", impostor, *[sealed] * copies):
-                proof = TrainingProof(task_id=tid, accuser=hostile.peer_id, update=inner, gain=-1.0 - measured.total())
+            for i, inner in enumerate((b"\x00 not an envelope", impostor, *[sealed] * copies)):
+                # Each proof its own message: another gain.
+                proof = TrainingProof(task_id=tid, accuser=hostile.peer_id, update=inner, gain=-1.0 - i)
                 await h.publish(task_topic(tid), seal(proof, hostile))
-                measured[None] += 1  # each proof its own message
             await wait_until(lambda: all(finished(n, tid) for n in nodes), timeout_s=120)
         drops = [n.traffic.drops for n in nodes]
         assert all(d["malformed"] >= 1 and d["impersonation"] >= 1 for d in drops), drops
