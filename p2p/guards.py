@@ -173,7 +173,9 @@ def guard_pubsub(raw_host: Any, pubsub: Any, offences: Offences, *, max_message_
             offences.report(peer_id, "gossip_rpc_too_many_entries")
             return False
         for msg in rpc.publish:
-            if not pubsub._is_subscribed_to_msg(msg):
+            # A message already seen is one more mesh peer's copy: the library drops it unread, so it gets
+            # neither a signature check (an Ed25519 verify per copy, D copies per message) nor a task here.
+            if not pubsub._is_subscribed_to_msg(msg) or pubsub._is_msg_seen(msg):
                 continue
             if len(msg.data) > max_message_bytes:
                 offences.report(peer_id, "gossip_oversize")

@@ -63,10 +63,11 @@ def garbage(n: int = 300) -> bytes:
 class HostilePeer:
     """A raw py-libp2p host aimed at one victim address (a /p2p/ multiaddr)."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, *, seed: bytes | None = None):
+        """``seed``: a Shoal identity's key seed, so the peer can send messages sealed by that identity."""
         self.target = target
         self.info = info_from_p2p_addr(multiaddr.Multiaddr(target))
-        self.key_pair = create_new_key_pair()
+        self.key_pair = create_new_key_pair(seed)
         self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
         self.host = new_host(key_pair=self.key_pair, sec_opt=self._sec_opt(),
                              muxer_opt={TProtocol(YAMUX_ID): Yamux},

@@ -127,6 +127,43 @@ async def test_hostile_input_in_libp2p_handlers_is_contained(tmp_path, name, att
         nursery.cancel_scope.cancel()
 
 
+async def test_copies_of_a_message_already_seen_are_dropped_without_a_signature_check(tmp_path, monkeypatch):
+    """Each mesh peer relays each message: only the first copy costs an Ed25519 verify (and a task)."""
+    from p2p import guards
+    from protocol.envelope import seal
+    from protocol.keys import Keypair
+    from protocol.messages import Announce, HardwareSummary
+
+    checked = []
+    real_validator = guards.signature_validator
+    monkeypatch.setattr(guards, "signature_validator", lambda msg: checked.append(msg.seqno) or real_validator(msg))
+    async with trio.open_nursery() as nursery:
+        node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
+        identity = Keypair.from_label("relayed-announcer")
+        evil = HostilePeer(node.host.listen_addrs()[0], seed=identity.seed)
+        assert evil.peer_id == identity.peer_id
+        announce = Announce(peer_id=identity.peer_id, seq=1, addrs=("/ip4/127.0.0.1/tcp/1",), version="0.1.0",
+                            roles=("trainer",), hardware=HardwareSummary(devices=("cpu",), memory_bytes=1 << 30,
+                                                                          tflops=0.1), control="")
+        async with evil.host.run([]):
+            await evil.connect()
+            session = RawPeerSession(evil)
+            frame = session.gossip_frame(ANNOUNCE_TOPIC, seal(announce, identity))
+            stream = await session.open(MESHSUB)
+            await stream.write(rpc_bytes(subscribe=[ANNOUNCE_TOPIC]) + frame)
+            await wait_until(lambda: identity.peer_id in node.membership.table.peers, timeout_s=10)
+            first = len(checked)
+            for _ in range(5):
+                await stream.write(frame)  # the same message again, as five more mesh peers would relay it
+            probe = session.gossip_frame(ANNOUNCE_TOPIC, b"junk")  # a new one, read after them
+            await stream.write(probe)
+            await wait_until(lambda: node.host.statistics().gossip_rejected >= 1
+                             or len(checked) > first, timeout_s=10)
+            assert len(checked) == first + 1  # the probe alone
+            await evil.host.close()
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_banned_peer_is_refused_when_it_reconnects_and_leaves_the_mesh(tmp_path):
     async with trio.open_nursery() as nursery:
         node, _ = await start_node(nursery, fast_config(tmp_path / "node", **CALM))
