@@ -409,6 +409,10 @@ class TaskMachine:
     _joined_at: dict[str, float] = field(default_factory=dict)
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
+    _trained: dict[str, int] = field(default_factory=dict)
+    """Per peer, the newest round it announced an update of: a peer that trained past a round holds that round's
+    result, so it owes the round nothing more (a restarted node's join can be lost, sent before its gossip mesh
+    formed, and it then re-syncs and trains on without ever voting on the round it died in)."""
     _outvoted: dict[int, set[str]] = field(default_factory=dict)
     """Per round: weights hashes that lost our vote of it. A member that lost is not a history to move
     to, whatever work it claims (it claims more when its aggregate choice covered more producers)."""
@@ -702,6 +706,16 @@ class TaskMachine:
                                    JOIN_ANSWERS)
 
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if msg.task_id == self.task_id and msg.round > self._trained.get(msg.producer, -1):
+            self._trained[msg.producer] = msg.round
+            cur = self.rounds_seen.get(self.current)
+            if self.stage is Stage.RUNNING and cur is not None and cur.index < msg.round \
+                    and cur.phase in (Phase.GATHERING, Phase.VOTING):
+                effects = self._advance(cur, now)  # it owes the current round no aggregate or vote (_owes)
+        return effects + self._update(msg, now)
+
+    def _update(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
         self._heard_now(msg.producer, now)
         if rec is not None and msg.producer != self.self_id and msg.producer not in self.audit.banned \
@@ -1296,7 +1310,7 @@ class TaskMachine:
         joined again since (a restarted process or a re-synced node never sends the old one's), and has
         not said it holds a later round's weights."""
         if not self.live(peer, now) or self._joined_at.get(peer, float("-inf")) > rec.collected_at \
-                or peer in self.audit.banned:
+                or peer in self.audit.banned or self._trained.get(peer, -1) > rec.index:
             return False
         pos = self.position.get(peer)
         return pos is None or pos[0] <= rec.index + 1
