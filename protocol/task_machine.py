@@ -1308,7 +1308,7 @@ class TaskMachine:
     def _owes(self, peer: str, rec: RoundState, now: float) -> bool:
         """A member counted when the round collected still owes its aggregate or vote: it is live, has not
         joined again since (a restarted process or a re-synced node never sends the old one's), and has
-        not said it holds a later round's weights."""
+        not said it holds a later round's weights (in a weights announcement, or an update of a later round)."""
         if not self.live(peer, now) or self._joined_at.get(peer, float("-inf")) > rec.collected_at \
                 or peer in self.audit.banned or self._trained.get(peer, -1) > rec.index:
             return False
