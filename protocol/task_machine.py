@@ -409,10 +409,11 @@ class TaskMachine:
     _joined_at: dict[str, float] = field(default_factory=dict)
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
-    _trained: dict[str, int] = field(default_factory=dict)
-    """Per peer, the newest round it announced an update of: a peer that trained past a round holds that round's
-    result, so it owes the round nothing more (a restarted node's join can be lost, sent before its gossip mesh
-    formed, and it then re-syncs and trains on without ever voting on the round it died in)."""
+    _trained: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Per peer, the newest round it announced an update of, and that update's base: a peer that trained the next
+    round from our weights of a round holds them, and one two rounds on has left the round behind, so neither owes
+    it anything more (a restarted node's join can be lost, sent before its gossip mesh formed, and it then re-syncs
+    and trains on without ever voting on the round it died in). One that trained from other weights may yet vote."""
     _outvoted: dict[int, set[str]] = field(default_factory=dict)
     """Per round: weights hashes that lost our vote of it. A member that lost is not a history to move
     to, whatever work it claims (it claims more when its aggregate choice covered more producers)."""
@@ -707,8 +708,8 @@ class TaskMachine:
 
     def _on_UpdateAnnounce(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        if msg.task_id == self.task_id and msg.round > self._trained.get(msg.producer, -1):
-            self._trained[msg.producer] = msg.round
+        if msg.task_id == self.task_id and msg.round > self._trained.get(msg.producer, (-1, ""))[0]:
+            self._trained[msg.producer] = (msg.round, msg.base_hash)
             cur = self.rounds_seen.get(self.current)
             if self.stage is Stage.RUNNING and cur is not None and cur.index < msg.round \
                     and cur.phase in (Phase.GATHERING, Phase.VOTING):
@@ -1308,12 +1309,20 @@ class TaskMachine:
     def _owes(self, peer: str, rec: RoundState, now: float) -> bool:
         """A member counted when the round collected still owes its aggregate or vote: it is live, has not
         joined again since (a restarted process or a re-synced node never sends the old one's), and has
-        not said it holds a later round's weights (in a weights announcement, or an update of a later round)."""
+        not said it holds a later round's weights (in a weights announcement, or in an update: _trained)."""
         if not self.live(peer, now) or self._joined_at.get(peer, float("-inf")) > rec.collected_at \
-                or peer in self.audit.banned or self._trained.get(peer, -1) > rec.index:
+                or peer in self.audit.banned or self._trained_past(peer, rec):
             return False
         pos = self.position.get(peer)
         return pos is None or pos[0] <= rec.index + 1
+
+    def _trained_past(self, peer: str, rec: RoundState) -> bool:
+        """Whether an update of a later round says ``peer`` is done with ``rec``: its aggregates were made before it
+        applied the round; its vote counts for nothing new if it trained from our weights, or two rounds on."""
+        trained, base = self._trained.get(peer, (-1, ""))
+        if rec.mine is None:  # gathering: what is owed is an aggregate
+            return trained > rec.index
+        return trained > rec.index + 1 or (trained == rec.index + 1 and base == rec.mine.weights_hash)
 
     @staticmethod
     def _updated_count(rec: RoundState, members: list[str]) -> int:

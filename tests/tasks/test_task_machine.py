@@ -5,6 +5,7 @@ they read best side by side; forging and unlisted peers have their own file (tes
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 
 from protocol.round import aggregators
@@ -510,11 +511,24 @@ def test_a_members_announced_training_share_reaches_the_others_statistics():
         assert all(a["train_share"] == TRAIN_SHARE and a["round"] == 9 for a in others.values()), others
 
 
-@pytest.mark.parametrize("join_heard", [True, False])
-def test_a_member_restarted_between_its_aggregation_and_its_vote_is_not_waited_for(join_heard):
-    """``join_heard=False``: the restarted process's join reaches nobody (gossip sent before its mesh formed); its
-    update of the next round then says it holds the round's result and will never vote on it."""
-    sim = TimedSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+class RebasingSwarm(TimedSwarm):
+    """d's updates of rounds from ``rebase_from`` on name other weights than it trained from (another history)."""
+
+    rebase_from = None
+
+    def broadcast(self, sender, msg) -> None:
+        if sender == "d" and isinstance(msg, UpdateAnnounce) and self.rebase_from is not None \
+                and msg.round >= self.rebase_from:
+            msg = dataclasses.replace(msg, base_hash=h("other history", msg.round))
+        super().broadcast(sender, msg)
+
+
+@pytest.mark.parametrize("join", ["heard", "lost", "lost, trained from other weights"])
+def test_a_member_restarted_between_its_aggregation_and_its_vote_is_not_waited_for(join):
+    """``lost``: the restarted process's join reaches nobody (gossip sent before its mesh formed); its update of the
+    next round, from the round's weights, then says it holds them and will never vote on the round. One from other
+    weights says it may yet vote otherwise: that vote is waited for."""
+    sim = RebasingSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
     sim.apply_s = {"d": 1.0}  # d applies slowly: the others vote while d's vote is still to come
     sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
     m = sim.machines["a"]
@@ -523,12 +537,17 @@ def test_a_member_restarted_between_its_aggregation_and_its_vote_is_not_waited_f
     assert "d" in m.rounds_seen[r].members and "d" not in m.rounds_seen[r].weights
     sim.kill("d")
     sim.advance(0.5)  # back before it went quiet: live, but its new process never votes on round r
-    if not join_heard:
+    if join != "heard":
         sim.slow_links.update({("d", n, TaskJoin): 10 * DEADLINE_S for n in "abc"})
+    if join == "lost, trained from other weights":
+        sim.rebase_from = r + 1
     sim.restart("d")
     sim.run_until(lambda: r in sim.closed_at, 2 * DEADLINE_S, step_s=0.1)
     waited = sim.closed_at[r] - sim.closed_at[r - 1]
-    assert waited <= (TRAIN_S + 2 * HEARTBEAT_S if join_heard else 3 * TRAIN_S + 2 * HEARTBEAT_S), \
+    if join == "lost, trained from other weights":
+        assert waited > DEADLINE_S / 2
+        return
+    assert waited <= (TRAIN_S + 2 * HEARTBEAT_S if join == "heard" else 3 * TRAIN_S + 2 * HEARTBEAT_S), \
         f"the vote waited {waited:.1f} s for d"
     sim.run_until(sim.all_done, 120)
     assert not sim.disagreements() and len(final_hashes(sim)) == 1
