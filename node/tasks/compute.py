@@ -99,16 +99,20 @@ def round_file(directory: Path, prefix: str, round_: int) -> Path:
     return directory / f"{prefix}{round_}.safetensors"
 
 
-def newest_before(directory: Path, prefix: str, round_: int) -> Path | None:
-    """The newest ``prefix<r>.safetensors`` with r < ``round_``; the older ones are deleted."""
+def round_files(directory: Path, prefix: str, suffix: str = ".safetensors") -> list[tuple[int, Path]]:
+    """(r, path) of every ``prefix<r><suffix>`` in ``directory``, in no order; other names are skipped."""
     found = []
-    for path in directory.glob(f"{prefix}*.safetensors"):
+    for path in directory.glob(f"{prefix}*{suffix}"):
         try:
-            r = int(path.name[len(prefix):-len(".safetensors")])
+            found.append((int(path.name[len(prefix):-len(suffix)]), path))
         except ValueError:
             continue
-        if r < round_:
-            found.append((r, path))
+    return found
+
+
+def newest_before(directory: Path, prefix: str, round_: int) -> Path | None:
+    """The newest ``prefix<r>.safetensors`` with r < ``round_``; the older ones are deleted."""
+    found = [(r, path) for r, path in round_files(directory, prefix) if r < round_]
     if not found:
         return None
     found.sort()

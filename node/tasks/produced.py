@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from node.fsutil import write_atomic
+from node.tasks.compute import round_files
 
 PREFIX = "produced-r"
 KEEP_ROUNDS = 2
@@ -27,11 +28,7 @@ def save(directory: Path, round_: int, *, base_hash: str, samples: int, manifest
     record = {"round": round_, "base_hash": base_hash, "samples": samples, "manifest_ids": list(manifest_ids),
               "losses": list(losses), "shards": list(shards)}
     write_atomic(_path(directory, round_), json.dumps(record, separators=(",", ":")).encode())
-    for old in directory.glob(f"{PREFIX}*.json"):
-        try:
-            r = int(old.name[len(PREFIX):-len(".json")])
-        except ValueError:
-            continue
+    for r, old in round_files(directory, PREFIX, ".json"):
         if r <= round_ - KEEP_ROUNDS:
             old.unlink(missing_ok=True)
 
