@@ -1,4 +1,5 @@
-"""Durable file writes: temp file, fsync, rename, fsync of the directory, so a crash leaves old or new, never torn."""
+"""Durable file writes (temp file, fsync, rename, fsync of the directory: a crash leaves old or new, never torn),
+and the round-numbered files a task keeps."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview, *, tmp_dir: P
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def round_files(directory: Path, prefix: str, suffix: str) -> list[tuple[int, Path]]:
+    """(r, path) of every ``prefix<r><suffix>`` in ``directory``, in no order; other names are skipped."""
+    found = []
+    for path in directory.glob(f"{prefix}*{suffix}"):
+        try:
+            found.append((int(path.name[len(prefix):-len(suffix)]), path))
+        except ValueError:
+            continue
+    return found

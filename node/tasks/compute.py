@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from node.fsutil import fsync_dir, write_atomic
+from node.fsutil import fsync_dir, round_files, write_atomic
 from node.train.codecs import INT8, Codec
 from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, tensor_bytes
 from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
@@ -99,20 +99,9 @@ def round_file(directory: Path, prefix: str, round_: int) -> Path:
     return directory / f"{prefix}{round_}.safetensors"
 
 
-def round_files(directory: Path, prefix: str, suffix: str = ".safetensors") -> list[tuple[int, Path]]:
-    """(r, path) of every ``prefix<r><suffix>`` in ``directory``, in no order; other names are skipped."""
-    found = []
-    for path in directory.glob(f"{prefix}*{suffix}"):
-        try:
-            found.append((int(path.name[len(prefix):-len(suffix)]), path))
-        except ValueError:
-            continue
-    return found
-
-
 def newest_before(directory: Path, prefix: str, round_: int) -> Path | None:
     """The newest ``prefix<r>.safetensors`` with r < ``round_``; the older ones are deleted."""
-    found = [(r, path) for r, path in round_files(directory, prefix) if r < round_]
+    found = [(r, path) for r, path in round_files(directory, prefix, ".safetensors") if r < round_]
     if not found:
         return None
     found.sort()

@@ -1,10 +1,10 @@
 """The update this node signed for a round, kept on disk so that a restarted process announces it again.
 
 A producer killed after its update went out and restarted into the same round would otherwise train the round
-again and sign a second update with other bytes (on a GPU the inner steps are not bit-identical). Peers that heard different ones aggregate
-different inputs, and the swarm splits for a round. The record is written, durably, before the machine
-publishes the update; the runner answers a Train for that round and base from it, with the slices the shard store
-still holds or encodes again from the trainer's Δ.
+again and sign a second update with other bytes (on a GPU the inner steps are not bit-identical). Peers that heard
+different ones aggregate different inputs, and the swarm splits for a round. The record is written, durably, before
+the machine publishes the update; the runner answers a Train for that round and base from it, with the slices the
+shard store still holds or encodes again from the trainer's Δ.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from node.fsutil import write_atomic
-from node.tasks.compute import round_files
+from node.fsutil import round_files, write_atomic
 
 PREFIX = "produced-r"
 KEEP_ROUNDS = 2

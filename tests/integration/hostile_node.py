@@ -82,6 +82,8 @@ async def _as_own(self, update, round_: int, version=None) -> list[str]:
         ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
                                                        f"task/{self.tid[:12]}/r{round_}/u{s}", version=version))
     return ids
+
+
 if ATTACK == "overclaim":
     _on_trained = task_machine.TaskMachine._on_Trained
     task_machine._HANDLERS[task_machine.Trained] = lambda self, ev, now: _on_trained(
