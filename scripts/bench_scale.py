@@ -1,10 +1,11 @@
 """A node's round bookkeeping without training or network, for N rounds through the real store and exchange.
 
     python scripts/bench_scale.py [--sizes 10000000,100000000] [--rounds 20] [--producers 4] [--slices 4]
-                                  [--json-out FILE]
+                                  [--compression int4/int4] [--json-out FILE]
 
 One node on an in-memory host runs what the runner runs each round, on a flat model of the given
-size: the trainer's Δ file, Exchange.publish_update (int8 encode and publish of its slices), the
+size: the trainer's Δ file, Exchange.publish_update (encode, at the task's default int4 or ``--compression``'s
+updates codec, and publish of its slices), the
 other producers' slices arriving in its ShardStore (hashed as received, fsynced), Exchange.aggregate
 of every slice (the worst case: a swarm no larger than the aggregators per slice), Exchange.apply of
 the aggregates, the hashes the node announces, the checkpoint, the published state, and the store's
@@ -32,11 +33,12 @@ from node.shardcast import ShardcastConfig, ShardcastService, ShardStore
 from node.tasks import compute
 from node.tasks.exchange import Exchange
 from node.tasks.service import MIN_KEEP_MANIFESTS
+from node.train.codecs import CODECS
 from node.train.diloco import OuterNesterov, save_named
 from p2p.fake import FakeNetwork
 from protocol.keys import Keypair
 from protocol.manifest import KIND_TENSORS, build_manifest, layout_tensors, seal_manifest
-from protocol.task import AggregateAnnounce, AggregationSpec, UpdateAnnounce
+from protocol.task import AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, AggregateAnnounce, AggregationSpec, UpdateAnnounce
 from protocol.task_machine import Aggregate, Apply
 
 TASK_ID = "ab" * 32
@@ -83,7 +85,8 @@ class Phases:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
-async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, work_dir: Path) -> dict:
+async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, work_dir: Path,
+                  compression: tuple[str, str]) -> dict:
     me = Keypair.from_label("bench-scale-me")
     others = [Keypair.from_label(f"bench-scale-p{i}") for i in range(1, producers)]
     task_dir = work_dir / "task"
@@ -91,12 +94,13 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
     store = await trio.to_thread.run_sync(ShardStore.open, work_dir / "store")
     # All Exchange reads here; the plain mean, the aggregation these figures were measured with.
     spec = SimpleNamespace(aggregation_shards=slices, round_deadline_s=600.0, aggregation=AggregationSpec(),
-                           compression="int8", aggregate_compression="int8")
+                           compression=compression[0], aggregate_compression=compression[1])
     gen = torch.Generator().manual_seed(0)
     state = compute.OuterState(round=0, weights={"w": torch.randn(num_params, generator=gen)}, outer=OuterNesterov())
     delta = {"w": torch.randn(num_params, generator=gen) * 1e-3}
-    theirs = [compute.split_update({"w": torch.randn(num_params, generator=gen) * 1e-3}, slices) for _ in others]
     bounds = compute.slice_bounds(num_params, slices)
+    codec = CODECS[compression[0]]
+    theirs = [[codec.encode(torch.randn(b - a, generator=gen) * 1e-3) for a, b in bounds] for _ in others]
     phases, per_round_s, critical_s, written = Phases(), [], [], 0
     async with FakeNetwork().open_host(me) as host, trio.open_nursery() as nursery:
         svc = ShardcastService(host, me, store, config=ShardcastConfig())
@@ -197,21 +201,30 @@ def main() -> None:
     parser.add_argument("--producers", type=int, default=4)
     parser.add_argument("--slices", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compression", default="int4/int4",
+                        help="UPDATES/AGGREGATES codecs (int8, int4, int2, topk / int8, int4, int2); a task's default "
+                             "is int4/int4")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if args.rounds < 1 or args.producers < 1 or args.slices < 1:
         parser.error("--rounds, --producers and --slices must be at least 1")
+    compression = tuple(args.compression.split("/"))
+    if len(compression) != 2 or compression[0] not in KNOWN_COMPRESSIONS \
+            or compression[1] not in AGGREGATE_COMPRESSIONS:
+        parser.error(f"--compression must be UPDATES/AGGREGATES with UPDATES one of {', '.join(KNOWN_COMPRESSIONS)} "
+                     f"and AGGREGATES one of {', '.join(AGGREGATE_COMPRESSIONS)}, got {args.compression!r}")
     torch.set_num_threads(args.threads)
     sizes = {}
     for n in (int(x) for x in args.sizes.split(",")):
         work_dir = Path(tempfile.mkdtemp(prefix="shoal-bench-scale-"))
         try:
             sizes[n] = trio.run(lambda: _rounds(n, producers=args.producers, slices=args.slices,
-                                                rounds=args.rounds, work_dir=work_dir))
+                                                rounds=args.rounds, work_dir=work_dir, compression=compression))
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
     largest = max(sizes)
     report = {"sizes": sizes, "rounds": args.rounds, "producers": args.producers, "slices": args.slices,
+              "compression": args.compression,
               "threads": args.threads, "machine": machine_floor(),
               "store_to_model_ratio": sizes[largest]["store_to_model_ratio"]}
     text = json.dumps(report, indent=2)

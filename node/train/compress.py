@@ -106,9 +106,12 @@ CHUNK_BLOCKS = 4096
 def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor, limit: float = _QMAX) -> None:
     """quantize_int8 on whole blocks (at ``limit`` = qmax), written into the caller's views: the same
     operations, so the same bits."""
-    if not torch.isfinite(blocks).all():
+    # max |x| per block as max(amax, -amin): exact, and without a whole copy for abs(). A nan or inf anywhere
+    # in a block makes its maximum non-finite, so the finiteness check needs only the block maxima.
+    peak = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()  # abs_: -0.0 of a zero block
+    if not torch.isfinite(peak).all():
         raise ValueError("cannot quantize non-finite values (nan or inf in the update)")
-    scales = blocks.abs().amax(dim=1) / limit
+    scales = peak.div_(limit)
     scales_out.copy_(scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q_out.copy_(torch.round(blocks / safe[:, None]).clamp_(-limit, limit))
@@ -203,14 +206,11 @@ class QuantPayload:
             raise ValueError(f"{bits}-bit payload has a negative or non-finite block scale")
         # The encoder writes |q| <= qmax; one step past it (-128, or a 4-bit 15 / 2-bit 3 that would
         # decode as 8 or 2 times the block's scale) comes from no honest node.
-        if self.q is not None and bool((self.q == -128).any()):
+        # (Reductions, not comparisons: a min or max is one pass with no whole-payload temporary.)
+        if self.q is not None and self.q.numel() and int(self.q.min()) == -128:
             raise ValueError("8-bit payload holds -128, past the encoder's range of +-127")
-        if self.packed is not None and self.packed.numel():
-            # Past the range at 4 and 2 bits is exactly an all-ones lane (2 * qmax + 1): test each lane of the
-            # packed bytes in place of unpacking the whole payload a second time.
-            ones = 2 ** bits - 1
-            if any(bool(((self.packed >> shift) & ones).eq_(ones).any()) for shift in range(0, 8, bits)):
-                raise ValueError(f"{bits}-bit payload holds a value past the encoder's range of +-{self.limit:g}")
+        if self.packed is not None and self.packed.numel() and _has_all_ones_lane(self.packed, bits):
+            raise ValueError(f"{bits}-bit payload holds a value past the encoder's range of +-{self.limit:g}")
 
     def scratch(self, numel: int) -> torch.Tensor:
         """A buffer big enough for decode of any ``numel`` values (whole covering blocks)."""
@@ -231,6 +231,17 @@ class QuantPayload:
         span[have:].zero_()
         span.view(-1, bs).mul_(self.scales[b0:b1, None])
         return span[lo - b0 * bs:hi - b0 * bs]
+
+
+def _has_all_ones_lane(packed: torch.Tensor, bits: int) -> bool:
+    """Whether any ``bits``-wide lane of the packed bytes is all ones (2 * qmax + 1, past the encoder's range):
+    tested on the packed bytes in place of unpacking the whole payload a second time. The top lane is all
+    ones exactly when the byte is at least its mask; each lower lane, when the byte masked to it is."""
+    ones = 2 ** bits - 1
+    top = ones << (8 - bits)
+    if int(packed.max()) >= top:
+        return True
+    return any(int((packed & (ones << shift)).max()) == ones << shift for shift in range(0, 8 - bits, bits))
 
 
 def byte_view(data) -> torch.Tensor:

@@ -68,14 +68,15 @@ def test_a_payload_of_the_wrong_length_or_with_a_bad_scale_is_refused(bits):
         QuantPayload(data, 600, bits=3)
 
 
-@pytest.mark.parametrize("bits, past", [(8, 0x80), (4, 0x0F), (2, 0x03)])
+@pytest.mark.parametrize("bits, past", [(8, 0x80), (4, 0x0F), (4, 0xF0), (2, 0x03), (2, 0x0C), (2, 0x30), (2, 0xC0)])
 def test_a_value_one_step_past_the_encoders_range_is_refused(bits, past):
-    """int8 -128, a 4-bit 15 or a 2-bit 3 would decode as a value no encoder writes (8x the scale at 4 bits)."""
+    """int8 -128, a 4-bit 15 or a 2-bit 3 would decode as a value no encoder writes (8x the scale at 4 bits),
+    in whichever lane of its byte the value sits."""
     data = encode_blocks(torch.randn(600, generator=torch.Generator().manual_seed(2)), bits=bits)
     QuantPayload(data, 600, bits=bits)  # the honest payload is accepted
     bad = bytearray(data)
     at = 4 * 3 + 100  # a value in the second block (after three scales)
-    bad[at] = past if bits == 8 else bad[at] | past  # int8: exactly -128; low bits: the lowest value's bits all set
+    bad[at] = past if bits == 8 else bad[at] | past  # int8: exactly -128; low bits: one value's bits all set
     with pytest.raises(ValueError, match="past the encoder's range"):
         QuantPayload(bad, 600, bits=bits)
     with pytest.raises(ValueError, match="past the encoder's range"):
