@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,9 @@ class ShardStore:
         self._lock = threading.Lock()
         self._shards: dict[bytes, int] = {}
         self._manifests: dict[bytes, SignedManifest] = {}
+        self._touched: dict[bytes, int] = {}
+        """Per manifest, when it was last stored or refreshed (ns, the clock file mtimes use): its file's mtime
+        when the store opened, kept in memory since, so ordering manifests costs no stat() per manifest."""
         self.last_open_report: OpenReport | None = None
 
     @classmethod
@@ -122,6 +126,7 @@ class ShardStore:
                 bad += 1
                 continue
             self._manifests[signed.manifest_id] = signed
+            self._touched[signed.manifest_id] = path.stat().st_mtime_ns
             good += 1
         return OpenReport(shards_kept=kept, shards_corrupt=corrupt, manifests_kept=good, manifests_invalid=bad)
 
@@ -232,27 +237,27 @@ class ShardStore:
         shards) replaces the one held, on disk too."""
         path = self.manifest_dir / f"{signed.manifest_id.hex()}.sealed"
         held = self._manifests.get(signed.manifest_id)
+        now = time.time_ns()
         if path.exists() and (held is None or held.signer == signed.signer):
-            os.utime(path)
+            os.utime(path, ns=(now, now))
         else:
             write_atomic(path, signed.sealed, tmp_dir=self.tmp_dir)
         with self._lock:
             self._manifests[signed.manifest_id] = signed
+            self._touched[signed.manifest_id] = now
 
     def get_manifest(self, manifest_id: bytes) -> SignedManifest | None:
         return self._manifests.get(manifest_id)
 
     def manifest_ids(self) -> list[bytes]:
-        """Stored manifests, oldest first."""
-        snapshot = dict(self._manifests)  # a GC in another thread may drop entries while we sort
-        def age(mid: bytes) -> tuple[int, int, bytes]:
-            # mtimes can tie at the filesystem's clock granularity; the version breaks such ties.
-            try:
-                mtime_ns = (self.manifest_dir / f"{mid.hex()}.sealed").stat().st_mtime_ns
-            except FileNotFoundError:
-                mtime_ns = 0
-            return mtime_ns, snapshot[mid].manifest.version, mid
-        return sorted(snapshot, key=age)
+        """Stored manifests, oldest first (by when each was last stored or refreshed)."""
+        with self._lock:  # a GC in another thread may drop entries while we sort
+            return self._oldest_first()
+
+    def _oldest_first(self) -> list[bytes]:
+        # Times can tie (mtimes read at open have the filesystem's granularity); the version breaks such ties.
+        key = {mid: (self._touched.get(mid, 0), s.manifest.version, mid) for mid, s in self._manifests.items()}
+        return sorted(key, key=key.__getitem__)
 
     def held_indices(self, manifest_id: bytes) -> set[int]:
         signed = self._manifests.get(manifest_id)
@@ -268,11 +273,12 @@ class ShardStore:
         Returns (manifests removed, shards removed).
         """
         with self._lock:
-            order = self.manifest_ids()
+            order = self._oldest_first()
             doomed = [m for m in order[:max(0, len(order) - keep_manifests)] if m not in protect]
             doomed += [m for m in drop if m in self._manifests and m not in protect and m not in doomed]
             for mid in doomed:
                 self._manifests.pop(mid)
+                self._touched.pop(mid, None)
                 (self.manifest_dir / f"{mid.hex()}.sealed").unlink(missing_ok=True)
             referenced = {h for s in self._manifests.values() for h in s.manifest.shard_hashes}
             orphans = [h for h in self._shards if h not in referenced]

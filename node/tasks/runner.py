@@ -518,15 +518,24 @@ class TaskRunner:
     async def _apply(self, job: Apply) -> Applied:
         base = self.state
         new = await self.exchange.apply(self.state, job)
-        # A round followed only to catch up is not evaluated: the evaluation would make the joiner
-        # slower than the swarm's rounds, and it would never catch up.
-        eval_loss = await self._hold(new, evaluate=not job.behind)
+        published: list[str] = [""]
+
+        async def publish() -> None:
+            published[0] = await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
+
+        async with trio.open_nursery() as nursery:
+            # The state is hashed and stored for joiners (daemon threads) while the trainer evaluates it (the
+            # child): both must finish before the weights are announced, neither needs the other. A round
+            # followed only to catch up is neither offered to others (the swarm holds later weights, and an
+            # announcement without a state manifest is never fetched from) nor evaluated: either would make
+            # the catching-up slower than the swarm's rounds, and it would never catch up.
+            if not job.behind:
+                nursery.start_soon(publish)
+            eval_loss = await self._hold(new, evaluate=not job.behind)
+        state_id = published[0]
         self._eval[job.round] = eval_loss
         if eval_loss is not None:
             self.eval_losses.append((job.round, eval_loss))
-        # Nor is it offered to others (the swarm holds later weights): hashing and storing it would slow
-        # the catching-up again, and an announcement without a state manifest is never fetched from.
-        state_id = "" if job.behind else await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
         if job.chosen and not job.behind:
             self.checks.applied(job.round, base, sorted({p for a in job.chosen for p in a.included}), self._nursery,
                                 copies=sorted({p for a in job.chosen for p, why in zip(a.screened, a.screened_why)

@@ -103,9 +103,9 @@ CHUNK_BLOCKS = 4096
 """Blocks per chunk of the streaming coders: 1M values at the default block size, a few MB of temporaries."""
 
 
-def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor, limit: float = _QMAX) -> None:
-    """quantize_int8 on whole blocks (at ``limit`` = qmax), written into the caller's views: the same
-    operations, so the same bits."""
+def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, limit: float = _QMAX) -> torch.Tensor:
+    """quantize_int8 on whole blocks (at ``limit`` = qmax), the scales written into the caller's view: the same
+    operations, so the same bits. Returns q, whole numbers within +-limit, as float32 (a fresh tensor)."""
     # max |x| per block as max(amax, -amin): exact, and without a whole copy for abs(). A nan or inf anywhere
     # in a block makes its maximum non-finite, so the finiteness check needs only the block maxima.
     peak = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()  # abs_: -0.0 of a zero block
@@ -114,7 +114,7 @@ def _quantize_blocks(blocks: torch.Tensor, scales_out: torch.Tensor, q_out: torc
     scales = peak.div_(limit)
     scales_out.copy_(scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q_out.copy_(torch.round(blocks / safe[:, None]).clamp_(-limit, limit))
+    return torch.div(blocks, safe[:, None]).round_().clamp_(-limit, limit)
 
 
 def _pack(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -128,8 +128,20 @@ def _pack(u: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(raw: torch.Tensor, bits: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return ((raw.unsqueeze(1) >> shifts) & (2 ** bits - 1)).view(-1)
+    """The uint8 values _pack packed: 8 / bits per byte."""
+    out = torch.empty(raw.numel() * (8 // bits), dtype=torch.uint8)
+    _unpack_into(raw, bits, out)
+    return out
+
+
+def _unpack_into(raw: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """_unpack into ``out`` (8 / bits values per byte of ``raw``, any dtype that holds them): lane by lane into
+    strided views, one pass per lane with no temporary wider than a byte."""
+    per, ones = 8 // bits, 2 ** bits - 1
+    lanes = out.view(-1, per)
+    for j in range(per):
+        lane = raw >> (bits * j) if j else raw
+        lanes[:, j].copy_(lane if j == per - 1 else lane & ones)  # the top lane has nothing above it
 
 
 class QuantWriter:
@@ -156,24 +168,22 @@ class QuantWriter:
         b0, full = lo // bs, n // bs
         if full:
             blocks = values[:full * bs].view(full, bs)
+            q = _quantize_blocks(blocks, self._scales[b0:b0 + full], self.limit)
             if self._q is not None:
-                _quantize_blocks(blocks, self._scales[b0:b0 + full], self._q[lo:lo + full * bs].view(full, bs))
+                self._q[lo:lo + full * bs].view(full, bs).copy_(q)
             else:
-                q = torch.empty(full, bs, dtype=torch.int8)
-                _quantize_blocks(blocks, self._scales[b0:b0 + full], q, self.limit)
-                self._put(lo, (q.view(-1) + int(self.limit)).to(torch.uint8))
+                self._put(lo, q.view(-1).add_(self.limit).to(torch.uint8))  # stored offset by qmax, 0 .. 2 qmax
         rest = n - full * bs
         if rest:
             padded = torch.zeros(1, bs, dtype=torch.float32)
             padded[0, :rest] = values[full * bs:]
-            q = torch.empty(1, bs, dtype=torch.int8)
-            _quantize_blocks(padded, self._scales[b0 + full:b0 + full + 1], q, self.limit)
+            q = _quantize_blocks(padded, self._scales[b0 + full:b0 + full + 1], self.limit).view(-1)
             at = lo + full * bs
             if self._q is not None:
-                self._q[at:].copy_(q.view(-1)[:rest])
+                self._q[at:].copy_(q[:rest])
             else:
                 u = torch.zeros(bs, dtype=torch.uint8)  # the padding past the last value stays zero bits
-                u[:rest] = (q.view(-1)[:rest] + int(self.limit)).to(torch.uint8)
+                u[:rest] = q[:rest].add_(self.limit).to(torch.uint8)
                 self._put(at, u, count=rest)
 
     def _put(self, lo: int, u: torch.Tensor, count: int | None = None) -> None:
@@ -227,7 +237,10 @@ class QuantPayload:
         else:
             per = 8 // self.bits
             first, last = b0 * bs // per, -(-(b0 * bs + have) // per)
-            span[:have].copy_(_unpack(self.packed[first:last], self.bits)[:have]).sub_(self.limit)
+            # Whole bytes' values (past ``have`` by less than a byte, still inside the span's blocks); those past
+            # ``have`` are zeroed below.
+            _unpack_into(self.packed[first:last], self.bits, span[:(last - first) * per])
+            span[:have].sub_(self.limit)
         span[have:].zero_()
         span.view(-1, bs).mul_(self.scales[b0:b1, None])
         return span[lo - b0 * bs:hi - b0 * bs]

@@ -111,3 +111,15 @@ def test_gc_keeps_last_k_and_shared_shards(tmp_path):
     for s in (versions[1], versions[2]):
         assert not store.has_shard(s.manifest.shard_hashes[1])
     assert ShardStore.open(tmp_path).num_shards() == store.num_shards()
+
+
+def test_manifests_keep_their_age_order_when_refreshed_and_across_a_restart(tmp_path):
+    """GC drops the oldest first: a manifest stored again counts as new, and a reopened store orders them alike."""
+    store = ShardStore.open(tmp_path)
+    signed = [_publish(store, os.urandom(1500), v) for v in range(4)]
+    store.put_manifest(signed[0])  # refreshed: now the newest
+    expected = [s.manifest_id for s in (*signed[1:], signed[0])]
+    assert store.manifest_ids() == expected
+    assert ShardStore.open(tmp_path).manifest_ids() == expected
+    assert store.gc(keep_manifests=2) == (2, 4)  # two manifests of two shards each
+    assert store.manifest_ids() == expected[2:]
