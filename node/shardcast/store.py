@@ -243,20 +243,21 @@ class ShardStore:
         else:
             write_atomic(path, signed.sealed, tmp_dir=self.tmp_dir)
         with self._lock:
+            self._touched[signed.manifest_id] = now  # first: a lock-free reader never sees a manifest untimed
             self._manifests[signed.manifest_id] = signed
-            self._touched[signed.manifest_id] = now
 
     def get_manifest(self, manifest_id: bytes) -> SignedManifest | None:
         return self._manifests.get(manifest_id)
 
     def manifest_ids(self) -> list[bytes]:
-        """Stored manifests, oldest first (by when each was last stored or refreshed)."""
-        with self._lock:  # a GC in another thread may drop entries while we sort
-            return self._oldest_first()
+        """Stored manifests, oldest first (by when each was last stored or refreshed). Takes no lock (the event
+        loop calls it): it sorts copies, which a GC in another thread cannot change while we sort."""
+        return self._oldest_first(dict(self._manifests), dict(self._touched))
 
-    def _oldest_first(self) -> list[bytes]:
+    @staticmethod
+    def _oldest_first(manifests: dict[bytes, SignedManifest], touched: dict[bytes, int]) -> list[bytes]:
         # Times can tie (mtimes read at open have the filesystem's granularity); the version breaks such ties.
-        key = {mid: (self._touched.get(mid, 0), s.manifest.version, mid) for mid, s in self._manifests.items()}
+        key = {mid: (touched.get(mid, 0), s.manifest.version, mid) for mid, s in manifests.items()}
         return sorted(key, key=key.__getitem__)
 
     def held_indices(self, manifest_id: bytes) -> set[int]:
@@ -273,7 +274,7 @@ class ShardStore:
         Returns (manifests removed, shards removed).
         """
         with self._lock:
-            order = self._oldest_first()
+            order = self._oldest_first(self._manifests, self._touched)
             doomed = [m for m in order[:max(0, len(order) - keep_manifests)] if m not in protect]
             doomed += [m for m in drop if m in self._manifests and m not in protect and m not in doomed]
             for mid in doomed:
