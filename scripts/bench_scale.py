@@ -118,7 +118,7 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
             for k, payload in enumerate(theirs):
                 fresh.append([bytearray(p) for p in payload])
                 for p in fresh[-1]:
-                    p[-1] = (r + k) % 100
+                    p[0] = (r + k) % 100  # the first block scale's lowest byte: any value keeps a valid payload
             base_hash = state.weights_hash()
             started_round, written_before = time.perf_counter(), _written_bytes()
 
