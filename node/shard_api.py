@@ -134,7 +134,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         return {"bytes_served": s.bytes_served, "bytes_fetched": s.bytes_fetched, "shards_served": s.shards_served,
                 "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
                 "requests_rejected": s.requests_rejected, "limits_hit": s.limits_hit,
-                "local_corruptions": s.local_corruptions,
+                "local_corruptions": s.local_corruptions, "uploads_refused_seeded": s.uploads_refused_seeded,
+                "seed_copies_again": s.seed_copies_again,
                 "manifests": len(store.manifest_ids()),
                 "fetches": [asdict(j) for j in list(jobs.values())[-MAX_FETCHES_SHOWN:]]}
 
@@ -156,6 +157,9 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
             yield "shoal_shard_limits_hit_total", "counter", "Caps on peer-driven state reached", {"limit": limit}, n
         yield ("shoal_shard_local_corruptions_total", "counter", "Own stored shards that failed their hash", {},
                s.local_corruptions)
+        for reason, n in s.seed_copies_again.items():
+            yield ("shoal_shard_seed_copies_again_total", "counter",
+                   "Shards this node published and sent once more (past one copy of the set)", {"reason": reason}, n)
         yield ("shoal_shard_fetch_bytes_per_second", "gauge", "Rate of the last completed fetch", {},
                s.last_fetch_bytes_per_s)
 

@@ -164,7 +164,8 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
             c.call("/shard/fetch", {"manifest_id": mid, "out": str(out)})
         jobs, publisher_samples = _wait_jobs(controls, mid, args, started, mode)
         done_at = [j["started_at"] + j["seconds"] for j in jobs]
-        served = [c.call("/status")["shardcast"]["bytes_served"] for c in controls]
+        shardcast = [c.call("/status")["shardcast"] for c in controls]
+        served = [s["bytes_served"] for s in shardcast]
         link = None
         if lab is not None:
             link = [{"sent": a[0] - b[0], "received": a[1] - b[1]} for a, b in zip(host_bytes(lab), bytes_before)]
@@ -176,6 +177,8 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
             "integrity_ok": ok, "publisher_upload_ratio": round(served[0] / args.size_bytes, 3),
             "seconds_by_receiver": [round(d - t0, 2) for d in done_at],
             "receiver_uploaded_bytes": served[1:], "publish_seconds": round(publish_s, 2),
+            "publisher_copies_again": shardcast[0].get("seed_copies_again", {}),
+            "publisher_refused_seeded": shardcast[0].get("uploads_refused_seeded", 0),
             "errors": [j["error"] for j in jobs if j["error"]]}
 
 

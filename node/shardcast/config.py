@@ -97,6 +97,9 @@ class ShardcastStatistics:
     uploads_refused_busy: int = 0
     uploads_refused_seeded: int = 0
     """Requests a seeding publisher sent to the swarm instead (it already sent that shard out)."""
+    seed_copies_again: dict[str, int] = field(default_factory=dict)
+    """Uploads a seeding publisher began of a shard it had sent out already, by why (node/shardcast/seed.py
+    Seed.reason): overdue, unheard, unreachable. Each one that completes is upload past one copy of the set."""
     upload_failures: int = 0
     download_failures: int = 0
     gossip_rejected: int = 0

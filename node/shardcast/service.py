@@ -101,6 +101,7 @@ class ShardcastService:
         s = self._stats
         return replace(s, bytes_served_by_peer=dict(s.bytes_served_by_peer),
                        bytes_fetched_by_peer=dict(s.bytes_fetched_by_peer), shards_rejected=dict(s.shards_rejected),
+                       seed_copies_again=dict(s.seed_copies_again),
                        requests_rejected=dict(s.requests_rejected), limits_hit=dict(s.limits_hit))
 
     def _notify(self) -> None:
@@ -383,6 +384,8 @@ class ShardcastService:
             holders[peer] = indices
         else:
             self._hit_limit("holders")
+        if (seed := self._seeds.get(manifest_id)) is not None:
+            seed.heard(peer, indices, trio.current_time())
         self._notify()
 
     def _is_known(self, manifest_id: bytes) -> bool:
@@ -602,6 +605,8 @@ class ShardcastService:
             return
         sha = m.shard_hashes[req.index]
         stats = self._stats
+        if seed is not None and seed.reason != "first":
+            stats.seed_copies_again[seed.reason] = stats.seed_copies_again.get(seed.reason, 0) + 1
         stats.uploads_active += 1
         started = seed.begin(req.index, trio.current_time()) if seed is not None else 0.0
         acked = False
@@ -634,7 +639,7 @@ class ShardcastService:
             stats.uploads_active -= 1
             self._upload_limiter.release()
             if seed is not None:
-                seed.end(req.index, started, trio.current_time(), ok=acked)
+                seed.end(req.index, started, trio.current_time(), ok=acked, peer=peer)
 
     # housekeeping
 

@@ -37,3 +37,23 @@ def test_an_overdue_upload_gets_one_more_copy_not_one_per_request():
     assert seed.decide(0, fallback=True, others_hold=False, now=13.0) == STATUS_SEEDED
     seed.end(0, slow, 20.0, ok=True)
     assert 0 in seed.inflight and seed.sent == [1]
+
+
+def test_a_stranded_shard_waits_as_long_as_recipients_take_to_announce_what_they_got():
+    seed = Seed(num_shards=4, reseed_after_s=3.0)
+    assert seed.unheard_after_s() == 3.0  # nothing measured yet
+    for i, peer in enumerate("abc"):
+        seed.end(i, seed.begin(i, 0.0), 1.0, ok=True, peer=peer)
+    # Busy recipients announce late: 5 s after their copy arrived. Only the recipient's own Have counts, once.
+    seed.heard("x", {0, 1, 2}, 2.0)
+    for i, peer in enumerate("abc"):
+        seed.heard(peer, {i}, 6.0)
+        seed.heard(peer, {i}, 7.0)
+    assert list(seed.have_delay_s) == [5.0, 5.0, 5.0] and not seed.awaiting_have
+    assert seed.unheard_after_s() == 10.0
+    seed.end(3, seed.begin(3, 1.0), 1.0, ok=True, peer="d")
+    assert seed.decide(3, fallback=True, others_hold=False, now=5.0) == STATUS_SEEDED  # its Have is not late yet
+    assert seed.decide(3, fallback=True, others_hold=False, now=11.5) == STATUS_OK and seed.reason == "unheard"
+    # However late Haves get, a stranded shard waits at most four reseed waits.
+    seed.have_delay_s.extend([60.0] * 8)
+    assert seed.unheard_after_s() == 12.0

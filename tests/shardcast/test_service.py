@@ -229,6 +229,11 @@ async def test_a_seeded_shard_whose_only_holder_left_is_sent_again(swarm):
         await _mesh_ready([pub, first])
         m = await pub.service.publish_file(path)
         await first.service.fetch(manifest_id(m))
+        # The recipient's Haves come back to the publisher, which measures how long they take (Seed.heard).
+        seed = pub.service._seeds[manifest_id(m)]
+        while len(seed.have_delay_s) < m.num_shards:
+            await trio.sleep(0.05)
+        assert not seed.awaiting_have
         swarm.network.kill(first.peer_id)
         await first.stop()
         second = await swarm.add("second", config=cfg)
@@ -237,6 +242,7 @@ async def test_a_seeded_shard_whose_only_holder_left_is_sent_again(swarm):
     second.service.export_file(got, out)
     assert out.read_bytes() == data
     assert pub.service.statistics().bytes_served == 2 * m.total_bytes
+    assert pub.service.statistics().seed_copies_again == {"unheard": m.num_shards}
 
 
 async def test_a_slow_holder_is_hedged_and_never_holds_up_the_fetch(swarm, tmp_path):
