@@ -43,8 +43,6 @@ class TrainResult:
     losses: list[tuple[int, float]]
     seconds: float
     out_path: str
-    base_hash: str
-    update_hash: str
     carried_steps: int = 0
     """Of ``steps``, those taken ahead during the previous round's exchange (overlap)."""
 
@@ -204,8 +202,6 @@ class TrainerClient:
             losses=[(int(s), float(v)) for s, v in reply["losses"]],
             seconds=reply["seconds"],
             out_path=reply["out_path"],
-            base_hash=reply["base_hash"],
-            update_hash=reply["update_hash"],
             carried_steps=int(reply.get("carried_steps", 0)),
         )
 

@@ -60,7 +60,7 @@ def prepare(req: dict) -> dict:
 
 def train(req: dict, *, device, progress, ranks=None) -> dict:
     from node.train import dpo, hf
-    from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
+    from node.train.diloco import load_named, pseudo_gradient, save_named
     from node.train.inner import AdamWConfig
     from node.train.ranks import device_label
     config = _config(req)
@@ -91,9 +91,7 @@ def train(req: dict, *, device, progress, ranks=None) -> dict:
     if opt_out:
         save_named(opt_out, result["opt_state"])
     return {"samples": result["samples"], "steps": result["steps"], "losses": [[s, x] for s, x in result["losses"]],
-            "seconds": result["seconds"], "out_path": req["out_path"], "base_hash": weights_hash(base),
-            "update_hash": weights_hash(delta),
-            "device": device_label(device, ranks)}
+            "seconds": result["seconds"], "out_path": req["out_path"], "device": device_label(device, ranks)}
 
 
 def evaluate(req: dict, *, device) -> dict:

@@ -11,13 +11,13 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
      "log_every"?: int, "overlap"?: int,
      "carry"?: bool, "processes"?: int, "shard"?: bool}
       -> {"ok": true, "samples", "steps", "losses": [[step, loss], ...], "seconds",
-          "carried_steps", "out_path", "base_hash", "update_hash"}
+          "carried_steps", "out_path"}
     {"op": "eval", "model", "weights_path", "data_path", "data_range": [start, end],
      "num_batches", "batch_size", "seed"} -> {"ok": true, "loss"}
 
 train writes the pseudo-gradient Δ = base − trained (float32, named, safetensors) to out_path,
-since Δ is what the round compresses and ships; base_hash and update_hash are weights_hash of
-the base it loaded and of Δ. If opt_state_path is given, the AdamW state is read from it when
+since Δ is what the round compresses and ships. Nothing is hashed here: the daemon knows the base's
+hash (it wrote the file), and Δ is hashed once, as the slices it is encoded into. If opt_state_path is given, the AdamW state is read from it when
 the file exists and written after training to opt_state_out (default: back to opt_state_path), so a
 peer's inner optimizer carries across rounds; a node that keeps one file per round retrains a round
 after a restart from the same state as the first time. Shard ranges are byte ranges of data_path,
@@ -150,7 +150,7 @@ def _train_rank(req: dict, ranks) -> dict:
 
 
 def _train(req: dict, device, ranks) -> dict:
-    from node.train.diloco import load_named, pseudo_gradient, save_named, weights_hash
+    from node.train.diloco import load_named, pseudo_gradient, save_named
     from node.train.inner import AdamWConfig, InnerLoop, train_inner
     from node.train.model import ModelConfig
     from node.train.ranks import device_label
@@ -219,8 +219,6 @@ def _train(req: dict, device, ranks) -> dict:
         "seconds": carry.seconds + seconds,
         "carried_steps": carry.steps,
         "out_path": out_path,
-        "base_hash": weights_hash(base),
-        "update_hash": weights_hash(delta),
         "device": device_label(device, ranks),
     }
 

@@ -6,11 +6,12 @@ import signal
 
 import msgpack
 import pytest
+import torch
 import trio
 
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import build_corpus, split_ranges
-from node.train.diloco import load_named, save_named, weights_hash
+from node.train.diloco import load_named, save_named
 from node.train.model import ModelConfig, init_model
 from node.train.diloco import named_tensors
 from node.train.worker import MAX_FRAME_BYTES, read_frame, serve
@@ -72,8 +73,10 @@ async def test_client_trains_evaluates_and_recovers_from_a_killed_child(files):
                 adamw={"lr": 1e-2}, opt_state_path=tmp / "adam.safetensors", log_every=1,
             )
             assert result.steps == 3 and result.samples == 12 and len(result.losses) == 3
-            assert result.base_hash == weights_hash(base)
-            assert result.update_hash == weights_hash(load_named(tmp / "delta.safetensors"))
+            delta = load_named(tmp / "delta.safetensors")  # Δ = base − trained, named as the base
+            assert {n: t.shape for n, t in delta.items()} == {n: t.shape for n, t in base.items()}
+            assert all(bool(torch.isfinite(t).all()) for t in delta.values())
+            assert any(bool(t.abs().sum() > 0) for t in delta.values())
             assert (tmp / "adam.safetensors").exists()
             loss = await trainer.evaluate(weights_path=tmp / "base.safetensors", data_range=heldout, **common)
             assert 4.0 < loss < 6.5  # an untrained byte model is near ln(256) = 5.55
@@ -129,7 +132,7 @@ async def test_a_child_trains_ahead_during_the_exchange_and_carries_the_steps_in
             second = await trainer.train(base_path=tmp / "base1.safetensors", steps=40, seed=2,
                                          out_path=tmp / "d1.safetensors", carry=True, overlap=40, **common)
             assert 0 < second.carried_steps <= 40 and second.steps == 40 and second.samples == 160
-            assert second.base_hash == weights_hash(moved)
+            assert set(load_named(tmp / "d1.safetensors")) == set(moved)
             assert [s for s, _ in second.losses][:2] == [0, 1]
             await trio.sleep(0.3)
             # Without carry (a re-synced or restarted node) the steps ahead are dropped.
