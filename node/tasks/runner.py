@@ -518,21 +518,15 @@ class TaskRunner:
     async def _apply(self, job: Apply) -> Applied:
         base = self.state
         new = await self.exchange.apply(self.state, job)
-        published: list[str] = [""]
+        # The state is hashed and stored for joiners (daemon threads) while the trainer evaluates it (the child):
+        # both must finish before the weights are announced, neither needs the other. A round followed only to
+        # catch up is neither offered to others (the swarm holds later weights, and an announcement without a
+        # state manifest is never fetched from) nor evaluated: either would make the catching-up slower than
+        # the swarm's rounds, and it would never catch up.
+        async def publish() -> str:
+            return "" if job.behind else await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
 
-        async def publish() -> None:
-            published[0] = await self.exchange.publish_state(new, f"task/{self.tid[:12]}/state{new.round}")
-
-        async with trio.open_nursery() as nursery:
-            # The state is hashed and stored for joiners (daemon threads) while the trainer evaluates it (the
-            # child): both must finish before the weights are announced, neither needs the other. A round
-            # followed only to catch up is neither offered to others (the swarm holds later weights, and an
-            # announcement without a state manifest is never fetched from) nor evaluated: either would make
-            # the catching-up slower than the swarm's rounds, and it would never catch up.
-            if not job.behind:
-                nursery.start_soon(publish)
-            eval_loss = await self._hold(new, evaluate=not job.behind)
-        state_id = published[0]
+        eval_loss, state_id = await side_by_side(lambda: self._hold(new, evaluate=not job.behind), publish)
         self._eval[job.round] = eval_loss
         if eval_loss is not None:
             self.eval_losses.append((job.round, eval_loss))
@@ -703,3 +697,24 @@ class TaskRunner:
         """Where the trainer runs the inner steps: a GPU when the task allows one and this node has it.
         Only the outer step must be bit-identical across nodes, and it always runs on the CPU."""
         return {"any": "auto", "cpu": "cpu", "cuda": "cuda"}[self.spec.requirements.device]
+
+
+async def side_by_side(*calls):
+    """The results of ``calls`` (async callables) run concurrently, in order. When one raises, the others still
+    finish, and the exception comes out as itself, not in an ExceptionGroup: _work's handlers must see a trainer
+    that died during an evaluation as TrainerCrashed."""
+    outcomes: list = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = (True, await calls[i]())
+        except Exception as exc:  # noqa: BLE001 (re-raised below; Cancelled is no Exception and goes to trio)
+            outcomes[i] = (False, exc)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(calls)):
+            nursery.start_soon(one, i)
+    for ok, value in outcomes:
+        if not ok:
+            raise value
+    return [value for _, value in outcomes]
