@@ -153,6 +153,7 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
             shutil.copyfile(source[0], src)
             source_sha = source[1]
         bytes_before = host_bytes(lab) if lab is not None else None
+        status_before = controls[0].call("/status")
         t = time.monotonic()
         published = controls[0].call("/shard/publish", {"path": str(src)}, timeout_s=PUBLISH_TIMEOUT_S)
         publish_s = time.monotonic() - t
@@ -164,7 +165,8 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
             c.call("/shard/fetch", {"manifest_id": mid, "out": str(out)})
         jobs, publisher_samples = _wait_jobs(controls, mid, args, started, mode)
         done_at = [j["started_at"] + j["seconds"] for j in jobs]
-        shardcast = [c.call("/status")["shardcast"] for c in controls]
+        status_after = controls[0].call("/status")
+        shardcast = [status_after["shardcast"], *(c.call("/status")["shardcast"] for c in controls[1:])]
         served = [s["bytes_served"] for s in shardcast]
         link = None
         if lab is not None:
@@ -179,6 +181,11 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
             "receiver_uploaded_bytes": served[1:], "publish_seconds": round(publish_s, 2),
             "publisher_copies_again": shardcast[0].get("seed_copies_again", {}),
             "publisher_refused_seeded": shardcast[0].get("uploads_refused_seeded", 0),
+            # Where the publisher's sending went besides shard payload: its TCP connections' bytes (framing,
+            # Noise and Yamux included) and its gossip messages by topic, from the publication to the end.
+            "publisher_wire_sent": status_after["wire_bytes"]["sent"] - status_before["wire_bytes"]["sent"],
+            "publisher_gossip_sent": {k: v - status_before["gossip_bytes_sent"].get(k, 0)
+                                      for k, v in status_after["gossip_bytes_sent"].items()},
             "errors": [j["error"] for j in jobs if j["error"]]}
 
 
