@@ -3,16 +3,15 @@
     python scripts/bench_scale.py [--sizes 10000000,100000000] [--rounds 20] [--producers 4] [--slices 4]
                                   [--compression int4/int4] [--json-out FILE]
 
-One node on an in-memory host runs what the runner runs each round, on a flat model of the given
-size: the trainer's Δ file, Exchange.publish_update (encode, at the task's default int4 or ``--compression``'s
-updates codec, and publish of its slices), the
-other producers' slices arriving in its ShardStore (hashed as received, fsynced), Exchange.aggregate
-of every slice (the worst case: a swarm no larger than the aggregators per slice), Exchange.apply of
-the aggregates, the hashes the node announces, the checkpoint, the published state, and the store's
-GC as the node runs it. Reported per size: mean seconds per round and per phase, nanoseconds per
-parameter, bytes written per parameter (write() calls of this process, /proc/self/io), and the
-store's and the whole task directory's size over the model's fp32 bytes after the last round.
-``machine`` gives this CPU's sha256 and copy speed, the floor under any per-byte figure.
+One node on an in-memory host runs what the runner runs each round, on a flat model of the given size: the
+trainer's Δ file, Exchange.publish_update (encode and publish of its slices, at a task's default int4 or
+the updates codec ``--compression`` names), the other producers' slices arriving in its ShardStore (hashed
+as received, fsynced), Exchange.aggregate of every slice (the worst case: a swarm no larger than the
+aggregators per slice), Exchange.apply of the aggregates, the hashes the node announces, the checkpoint,
+the published state, and the store's GC as the node runs it. Reported per size: mean seconds per round and
+per phase, nanoseconds per parameter, bytes written per parameter (write() calls of this process,
+/proc/self/io), and the store's and the whole task directory's size over the model's fp32 bytes after the
+last round. ``machine`` gives this CPU's sha256 and copy speed, the floor under any per-byte figure.
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ from node.train.diloco import OuterNesterov, save_named
 from p2p.fake import FakeNetwork
 from protocol.keys import Keypair
 from protocol.manifest import KIND_TENSORS, build_manifest, layout_tensors, seal_manifest
-from protocol.task import AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, AggregateAnnounce, AggregationSpec, UpdateAnnounce
+from protocol.task import (AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, AggregateAnnounce, AggregationSpec,
+                           UpdateAnnounce)
 from protocol.task_machine import Aggregate, Apply
 
 TASK_ID = "ab" * 32

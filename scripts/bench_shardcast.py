@@ -179,8 +179,8 @@ def run_mode(mode: str, args: argparse.Namespace, work_dir: Path, started: float
             "integrity_ok": ok, "publisher_upload_ratio": round(served[0] / args.size_bytes, 3),
             "seconds_by_receiver": [round(d - t0, 2) for d in done_at],
             "receiver_uploaded_bytes": served[1:], "publish_seconds": round(publish_s, 2),
-            "publisher_copies_again": shardcast[0].get("seed_copies_again", {}),
-            "publisher_refused_seeded": shardcast[0].get("uploads_refused_seeded", 0),
+            "publisher_copies_again": shardcast[0]["seed_copies_again"],
+            "publisher_refused_seeded": shardcast[0]["uploads_refused_seeded"],
             # Where the publisher's sending went besides shard payload: its TCP connections' bytes (framing,
             # Noise and Yamux included) and its gossip messages by topic, from the publication to the end.
             "publisher_wire_sent": status_after["wire_bytes"]["sent"] - status_before["wire_bytes"]["sent"],

@@ -16,12 +16,13 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
      "num_batches", "batch_size", "seed"} -> {"ok": true, "loss"}
 
 train writes the pseudo-gradient Δ = base − trained (float32, named, safetensors) to out_path,
-since Δ is what the round compresses and ships. Nothing is hashed here: the daemon knows the base's
-hash (it wrote the file), and Δ is hashed once, as the slices it is encoded into. If opt_state_path is given, the AdamW state is read from it when
-the file exists and written after training to opt_state_out (default: back to opt_state_path), so a
-peer's inner optimizer carries across rounds; a node that keeps one file per round retrains a round
-after a restart from the same state as the first time. Shard ranges are byte ranges of data_path,
-concatenated in the order given.
+since Δ is what the round compresses and ships. Nothing is hashed here: the daemon knows the
+base's hash (it wrote the file), and Δ is hashed once, as the slices it is encoded into. If
+opt_state_path is given, the AdamW state is read from it when the file exists and written after
+training to opt_state_out (default: back to opt_state_path), so a peer's inner optimizer carries
+across rounds; a node that keeps one file per round retrains a round after a restart from the
+same state as the first time. Shard ranges are byte ranges of data_path, concatenated in the
+order given.
 
 With "overlap" (a number of steps), the worker keeps training on the same data after it replies,
 until the next request arrives or that many steps are taken (the round's exchange runs meanwhile).
