@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import trio
@@ -16,6 +17,7 @@ from node.tasks.checks import TrainingChecks, shards_of
 from node.tasks.exchange import Exchange
 from node.tasks.runner import TaskRunner
 from protocol.envelope import open_sealed, seal
+from protocol.errors import TransportError
 from protocol.keys import Keypair
 from protocol.task import TrainingProof, UpdateAnnounce, task_id, task_topic
 from protocol.task_machine import Trained
@@ -72,30 +74,39 @@ async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node
 
 
 def _copier(monkeypatch, peer_id: str) -> None:
-    """``peer_id``'s node publishes, each round, the first other producer's update as its own (the bytes of its
-    slices, full samples claimed): an exact copy, which the screen leaves out with its original."""
+    """``peer_id``'s node publishes, each round, another producer's update as its own (the bytes of its slices, full
+    samples claimed): an exact copy, which the screen leaves out with its original. A producer that has banned the
+    copier no longer serves it, so it copies whoever still does, and publishes its own update when nobody does."""
     produce = TaskRunner._produce
 
     async def copy(self, job):
         if self.me != peer_id:
             return await produce(self, job)
-        await self._train(job.round, list(job.members))
+        result = await self._train(job.round, list(job.members))
         while True:
             rec = self.machine.rounds_seen.get(job.round)
             others = sorted(p for p in (rec.updates if rec else {}) if p != self.me)
             if others:
                 break
             await trio.sleep(0.02)
-        victim, ids = rec.updates[others[0]], []
-        for s, mid in enumerate(victim.manifest_ids):
-            _, data = await self.exchange._fetch_payload(mid, victim.producer, self.exchange._slice_numel(s), 10.0,
-                                                         kept=self.exchange._slices, round_=job.round,
-                                                         codec=self.exchange.codec)
-            ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
-                                                           f"task/{self.tid[:12]}/r{job.round}/u{s}"))
+        for victim in (rec.updates[p] for p in others):
+            try:
+                slices = [(await self.exchange._fetch_payload(
+                    mid, victim.producer, self.exchange._slice_numel(s), 5.0, kept=self.exchange._slices,
+                    round_=job.round, codec=self.exchange.codec))[1] for s, mid in enumerate(victim.manifest_ids)]
+            except (TransportError, trio.TooSlowError):
+                continue
+            ids = [await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
+                                                       f"task/{self.tid[:12]}/r{job.round}/u{s}")
+                   for s, data in enumerate(slices)]
+            samples, losses = self.spec.inner_steps * self.spec.batch_size, victim.losses
+            break
+        else:
+            ids = await self.exchange.publish_update(Path(result.out_path), job.round)
+            samples, losses = result.samples, tuple(x for _, x in result.losses[-8:])
         shards = shards_of(self.tid, job.round, self.me, list(job.members), self.spec.dataset.num_shards)
-        return Trained(round=job.round, samples=self.spec.inner_steps * self.spec.batch_size,
-                       manifest_ids=tuple(ids), losses=victim.losses, shards=tuple(sorted(shards)))
+        return Trained(round=job.round, samples=samples, manifest_ids=tuple(ids), losses=losses,
+                       shards=tuple(sorted(shards)))
 
     monkeypatch.setattr(TaskRunner, "_produce", copy)
 
