@@ -359,19 +359,31 @@ def _check_task(value: str) -> None:
     _need(_is_hex_hash(value), "task_id must be 64 lowercase hex characters")
 
 
-@message(tag=25)
+@message(tag=25, optional_tail=("base_round", "base_hash"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskJoin:
-    """The signer takes part from ``round`` on (it holds that round's starting weights)."""
+    """The signer takes part from ``round`` on (it will hold that round's starting weights).
+
+    ``base_round`` and ``base_hash``: the weights it holds now, which ``round`` follows from (the starting weights
+    of ``base_round``, at most ``round``); -1 and "" where it holds none yet (a first join at round 0). A member
+    counts a joiner into its round only where this is its own history: a node that synced to another history at
+    the same round index would otherwise be waited for, and it never sends an update from the member's weights."""
 
     task_id: str
     peer_id: str
     round: int
+    base_round: int = -1
+    base_hash: str = ""
 
     def __post_init__(self) -> None:
         _check_task(self.task_id)
         _check_id(self.peer_id, "peer_id")
         _need(0 <= self.round < MAX_ROUNDS, "round out of range")
+        if self.base_hash:
+            _need(_is_hex_hash(self.base_hash), "base_hash must be 64 lowercase hex characters")
+            _need(0 <= self.base_round <= self.round, "base_round must be within 0..round")
+        else:
+            _need(self.base_round == -1, "base_round without base_hash")
 
 
 @message(tag=26, optional_tail=("shards",))

@@ -158,6 +158,19 @@ def test_the_shards_an_update_trained_on_are_an_optional_tail():
             UpdateAnnounce(**fields, shards=bad)
 
 
+def test_the_weights_a_joiner_holds_are_an_optional_tail_of_its_join():
+    h = "ef" * 32
+    without, with_base = TaskJoin(task_id="cd" * 32, peer_id="p", round=4), \
+        TaskJoin(task_id="cd" * 32, peer_id="p", round=4, base_round=2, base_hash=h)
+    # A first join names no weights and goes on the wire as before the fields existed.
+    assert len(msgpack.unpackb(encode(without))) == 2 + len(dataclasses.fields(TaskJoin)) - 2
+    assert decode(encode(without)) == without and decode(encode(with_base)) == with_base
+    for bad in (dict(base_round=5, base_hash=h), dict(base_round=-1, base_hash=h), dict(base_round=2),
+                dict(base_round=2, base_hash="nothex")):
+        with pytest.raises(ValueError, match="base_"):
+            TaskJoin(task_id="cd" * 32, peer_id="p", round=4, **bad)
+
+
 def test_a_training_proof_carries_a_sealed_update_and_a_finite_gain():
     key = Keypair.from_label("checker")
     h = "ef" * 32
