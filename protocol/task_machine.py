@@ -341,6 +341,8 @@ class RoundState:
     my_update: UpdateAnnounce | None = None
     republish_at: float | None = None
     waiting_votes: list[str] | None = None
+    vote_checked: tuple[int, int] | None = None
+    """(votes, bans) when the vote was last found undecided (TaskMachine._vote_decided)."""
     updated_of: list[str] | None = None
     updated: int = 0
     """How many of the members list ``updated_of``, from the first, have sent their update."""
@@ -400,6 +402,9 @@ class TaskMachine:
     """(time, peer) for each update of ``heard``, a heap: when a peer heard only there goes quiet."""
     _own_changes: int = 0
     _heartbeats: int = 0
+    _held_seen: int = -1
+    _held: tuple[Head, tuple[Head, ...]] | None = None
+    """A finished node's last count of the final weights live peers hold (_held_more)."""
     """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _zero_joins: set[str] = field(default_factory=set)
     _gone_at: dict[str, float] = field(default_factory=dict)
@@ -407,6 +412,8 @@ class TaskMachine:
     _my_weights: WeightsAnnounce | None = None
     """Our latest WeightsAnnounce, told again to a node that joins from older weights."""
     _joined_at: dict[str, float] = field(default_factory=dict)
+    _join_base: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Per peer whose last word was a join: the weights it said it holds (TaskJoin.base_round, base_hash)."""
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
     _trained: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -528,8 +535,21 @@ class TaskMachine:
         if peer in rec.updates:
             return True
         pos = self.position.get(peer)
-        return pos is not None and pos[0] == rec.index and (
-            pos[1] == "" or (rec.base is not None and pos[1] == rec.base.weights_hash))
+        if pos is None or pos[0] != rec.index:
+            return False
+        if pos[1]:
+            return rec.base is not None and pos[1] == rec.base.weights_hash
+        return self._joined_from_ours(peer, rec)
+
+    def _joined_from_ours(self, peer: str, rec: RoundState) -> bool:
+        """A join at round r counts where the weights the joiner holds are ours at their round, or where we cannot
+        tell (it said none, or that round is no longer kept here): one that synced to another history at the same
+        round index never trains from our weights, and waiting for it would cost every round its deadline."""
+        said = self._join_base.get(peer)
+        if said is None:
+            return True
+        at = rec if said[0] == rec.index else self.rounds_seen.get(said[0])
+        return at is None or at.base is None or at.base.weights_hash == said[1]
 
     def members(self, rec: RoundState, now: float) -> list[str]:
         """Live peers on our history for round r (and this node if it produces), at most max_members."""
@@ -602,7 +622,7 @@ class TaskMachine:
             return self._begin(now)
         self._resumed = self._declared = True
         # Counted from the round it resumes: peers stop waiting for an older incarnation's update.
-        return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=saved.round)), *self._begin(now)]
+        return [Publish(self._join(saved.round)), *self._begin(now)]
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         self._now = max(self._now, now)
@@ -663,7 +683,7 @@ class TaskMachine:
                     times.append(rec.republish_at)
                 waited = sorted({a for s in rec.aggregators.values() for a in s})
             elif rec.phase is Phase.VOTING:
-                times.append(rec.applied_at + self.round_deadline_s)
+                times += [rec.applied_at + self.quiet_after_s, rec.applied_at + self.round_deadline_s]
                 waited = [p for p in rec.members if p not in rec.weights]
             # Only members still live count: one already quiet is no longer waited for.
             times += [t + self.quiet_after_s for p in waited if p != self.self_id
@@ -677,8 +697,13 @@ class TaskMachine:
             return []
         # A join always replaces what we knew: a restarted node may declare an older round than the
         # weights its previous incarnation announced, and from then on it is counted from there.
-        if self.position.get(msg.peer_id) != (msg.round, ""):
+        base = (msg.base_round, msg.base_hash) if msg.base_hash else None
+        if self.position.get(msg.peer_id) != (msg.round, "") or self._join_base.get(msg.peer_id) != base:
             self.position[msg.peer_id] = (msg.round, "")
+            if base is None:
+                self._join_base.pop(msg.peer_id, None)
+            else:
+                self._join_base[msg.peer_id] = base
             self._members_cache.clear()
             if msg.round == 0:
                 self._zero_joins.add(msg.peer_id)
@@ -699,6 +724,12 @@ class TaskMachine:
             # nothing and only then fetch ours: told now, it fetches at once. Two members answer each join.
             return [Publish(mine), *self.tick(now)]
         return self.tick(now)
+
+    def _join(self, r: int) -> TaskJoin:
+        """Our join at round r, with the weights we hold (none before θ_0)."""
+        held = self.head if self.head is not None and self.head.round <= r else None
+        return TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r,
+                        **({} if held is None else {"base_round": held.round, "base_hash": held.weights_hash}))
 
     def _answers_join(self, msg: TaskJoin, now: float) -> bool:
         holders = [p for p, w in self.latest.items() if p != msg.peer_id and self.live(p, now)
@@ -905,6 +936,7 @@ class TaskMachine:
         if not same and (pos is None or msg.round + 1 >= pos[0]):
             if pos != (msg.round + 1, msg.weights_hash):
                 self.position[msg.peer_id] = (msg.round + 1, msg.weights_hash)
+                self._join_base.pop(msg.peer_id, None)
                 self._members_cache.clear()
                 self._zero_joins.discard(msg.peer_id)
         rec = self._round(msg.round)
@@ -982,7 +1014,7 @@ class TaskMachine:
                     # gathered it without us would pick other aggregators than we do.
                     lead = 1 if self._closing(ev.head.round) else 0
                 self.produce_from, self._declared = ev.head.round + lead, True
-                effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=self.produce_from)))
+                effects.append(Publish(self._join(self.produce_from)))
         self._forget_before(ev.head.round)
         return effects + self._begin(now)
 
@@ -1048,7 +1080,7 @@ class TaskMachine:
         best = self._best_known(now) if self.head is not None else self._most_held(now)
         if best is None or (self.head is not None and (best.same_weights(self.head)
                                                         or best.rank() >= self.head.rank())):
-            return None
+            return self._held_more(now)
         if self.head is not None and (best.work, best.round) == (self.head.work, self.head.round) \
                 and self._holders(best, now) < self._holders(self.head, now) + 1:
             # Equal work at the same round: the hash alone must not overrule a round's vote (a dissenter
@@ -1064,6 +1096,27 @@ class TaskMachine:
             return None
         return best, tuple(Head.of(w) for w in self.latest.values()
                            if self._usable(w, now) and Head.of(w).same_weights(best))
+
+    def _held_more(self, now: float) -> tuple[Head, tuple[Head, ...]] | None:
+        """A finished node's weights against the final weights that more live nodes hold. Claimed work decides
+        between histories while rounds run, and a vote corrects a node that took the wrong one; after the last
+        round no vote comes, so one peer's claim (a forger that everyone else banned, heard by nodes that were
+        cut off when the proof went round) must not keep the nodes it pulled on its weights. Only a larger group
+        moves a node (its own counted), so two groups never trade places. Counted once a heartbeat."""
+        if self.stage is not Stage.DONE or self.head is None:
+            return None
+        if self._held_seen == self._heartbeats:
+            return self._held
+        self._held_seen, self._held = self._heartbeats, None
+        groups: dict[tuple[str, str], list[Head]] = {}
+        for p, w in self.latest.items():
+            if w.round + 1 == self.head.round and self._usable(w, now):
+                groups.setdefault((w.weights_hash, w.state_hash), []).append(Head.of(w))
+        mine = len(groups.get((self.head.weights_hash, self.head.state_hash), ())) + 1
+        most = min(groups.values(), key=lambda heads: (-len(heads), min(h.rank() for h in heads)), default=())
+        if len(most) > mine:
+            self._held = (min(most, key=Head.rank), tuple(most))
+        return self._held
 
     def _most_held(self, now: float) -> Head | None:
         """A joiner's first weights: those the most live peers hold, then the best ranked. A joiner has no
@@ -1155,7 +1208,7 @@ class TaskMachine:
             return []
         if not self._joined_zero:
             self._joined_zero = self._declared = True
-            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=0)))
+            effects.append(Publish(self._join(0)))
         # Counting live joiners only once enough have joined keeps a 1,000-node start linear.
         count = 1 + len(self._zero_joins)
         if count >= self.min_members:
@@ -1198,7 +1251,7 @@ class TaskMachine:
             # would wait for our whole retraining): follow it and produce from the next one. Counted
             # from the round we actually resume, nobody waits for us; below min_members they need us.
             self.produce_from, rec.producing, self._declared = r + 1, False, True
-            effects.append(Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r + 1)))
+            effects.append(Publish(self._join(r + 1)))
         self._resumed = False
         if rec.producing and r == self.produce_from and not effects:
             effects = self._first_round(rec)
@@ -1225,7 +1278,7 @@ class TaskMachine:
         if self._declared:
             return []
         self._declared = True
-        return [Publish(TaskJoin(task_id=self.task_id, peer_id=self.self_id, round=r))]
+        return [Publish(self._join(r))]
 
     def _underway(self, r: int) -> int:
         """Peers' updates for round r from our weights already seen: the round is trained without us."""
@@ -1450,6 +1503,34 @@ class TaskMachine:
             drawn = rec.spot[s] = self.spot_check > 0 and self.rng.random() < self.spot_check
         return drawn
 
+    def _counted_voters(self, rec: RoundState) -> set[str]:
+        """Whose weights are a vote on round r. Only the round's members vote: weights from a node that was not
+        counted in the round (a joiner that counted itself early, a node on another history) are no vote on it.
+        A member's vote counts while an aggregate this node applied in the last CONTRIBUTED_ROUNDS rounds included
+        its work; a node that has applied none (a fresh joiner's first round) counts every member."""
+        counted = set(rec.members)
+        recent = self._recent_contributors(rec.index)
+        if recent:
+            counted &= recent
+        return counted - self.audit.banned
+
+    def _vote_decided(self, rec: RoundState, now: float) -> bool:
+        """After a heartbeat window for every member's vote, whether one weights hash already holds more than half
+        of the votes that could still be cast (ours included): no vote to come can change the winner, so a member
+        that applies the round late, or not at all, no longer holds it open until its deadline. Evaluated again
+        only when a vote or a ban came in since (a 1,000-member round stays linear)."""
+        if now < rec.applied_at + self.quiet_after_s:
+            return False
+        key = (len(rec.weights), len(self.audit.banned))
+        if rec.vote_checked == key:
+            return False
+        rec.vote_checked = key
+        counted = self._counted_voters(rec)
+        counted.discard(self.self_id)
+        votes = Counter(w.weights_hash for p, w in rec.weights.items() if p in counted)
+        votes[rec.mine.weights_hash] += 1
+        return 2 * max(votes.values()) > len(counted) + 1
+
     def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
         voters = rec.weights
         if rec.waiting_votes is None:
@@ -1458,19 +1539,13 @@ class TaskMachine:
         while rec.waiting_votes and rec.waiting_votes[-1] in voters:
             rec.waiting_votes.pop()
         if now < rec.applied_at + self.round_deadline_s and any(
-                p not in voters and self._owes(p, rec, now) for p in reversed(rec.waiting_votes)):
+                p not in voters and self._owes(p, rec, now) for p in reversed(rec.waiting_votes)) \
+                and not self._vote_decided(rec, now):
             return []
         late = tuple(p for p in rec.waiting_votes if p not in voters and self._owes(p, rec, now))
         self._move(rec, "voted")
-        # Only the round's members vote: weights from a node that was not counted in the round (a
-        # joiner that counted itself early, a node on another history) are no vote on it.
-        # A member's vote counts while an aggregate this node applied in the last CONTRIBUTED_ROUNDS rounds
-        # included its work; a node that has applied none (a fresh joiner's first round) counts every member.
-        counted = set(rec.members)
-        recent = self._recent_contributors(rec.index)
-        if recent:
-            counted &= recent
-        voters = {p: w for p, w in voters.items() if p in counted and p not in self.audit.banned}
+        counted = self._counted_voters(rec)
+        voters = {p: w for p, w in voters.items() if p in counted}
         winner, num_for, num_against = vote(rec.mine, voters)
         effects: list[Effect] = [Overdue(rec.index, "voting", late)] if late else []
         effects += [Dissent(rec.index, p, w.weights_hash) for p, w in sorted(voters.items()) if w.weights_hash != winner]
