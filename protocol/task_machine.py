@@ -1430,8 +1430,11 @@ class TaskMachine:
                 m.aggregator for m in got.values()
                 if m.aggregator in expected and m.result_hash == best.result_hash and m.key() == best.key()}) >= 2
             overdue_s = rec.collected_at + CONFIRM_SHARE * self.round_deadline_s
-            check = (cached[3] or (not confirmed and (not waiting or now >= overdue_s))
-                     or (rec.producing and self._spot(rec, s))) and not self._voted_past(rec, now)
+            # A round the swarm voted past is followed without recomputing what its aggregators agree on (the vote
+            # checks it); aggregates that disagree are recomputed even then: ranked unchecked, the one listing the
+            # most producers (a forger's, padded) would be applied, and cost a lost vote and a fetch of the weights.
+            check = cached[3] or ((not confirmed and (not waiting or now >= overdue_s))
+                                  or (rec.producing and self._spot(rec, s))) and not self._voted_past(rec, now)
             if check and best.aggregator != self.self_id and not self.audit.verdict(best.key())[0]:
                 inputs = self._inputs_of(rec, best)
                 complete = False
