@@ -127,12 +127,17 @@ async def test_a_child_trains_ahead_during_the_exchange_and_carries_the_steps_in
                                         out_path=tmp / "d0.safetensors", overlap=40, **common)
             assert first.carried_steps == 0 and first.steps == 40
             await trio.sleep(1.0)  # the "exchange": the child trains ahead meanwhile
-            moved = {n: t - 0.01 for n, t in base.items()}
+            moved = {n: t - 0.5 for n, t in base.items()}
             save_named(tmp / "base1.safetensors", moved)
             second = await trainer.train(base_path=tmp / "base1.safetensors", steps=40, seed=2,
                                          out_path=tmp / "d1.safetensors", carry=True, overlap=40, **common)
             assert 0 < second.carried_steps <= 40 and second.steps == 40 and second.samples == 160
-            assert set(load_named(tmp / "d1.safetensors")) == set(moved)
+            update = load_named(tmp / "d1.safetensors")
+            assert set(update) == set(moved)
+            # The steps taken ahead moved onto the new base: the update is what 40 steps did, not also the 0.5 by
+            # which the base moved meanwhile (every value would then be offset by about -0.5).
+            offset = sum(float(t.sum()) for t in update.values()) / sum(t.numel() for t in update.values())
+            assert abs(offset) < 0.1, offset
             assert [s for s, _ in second.losses][:2] == [0, 1]
             await trio.sleep(0.3)
             # Without carry (a re-synced or restarted node) the steps ahead are dropped.
