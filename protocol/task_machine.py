@@ -1108,9 +1108,12 @@ class TaskMachine:
         if self._held_seen == self._heartbeats:
             return self._held
         self._held_seen, self._held = self._heartbeats, None
+        # Holders count as voters do: peers whose work went into the weights lately (a crowd of fresh identities
+        # announcing one head buys nothing), everyone where this node has applied nothing lately.
+        recent = self._recent_contributors(self.head.round)
         groups: dict[tuple[str, str], list[Head]] = {}
         for p, w in self.latest.items():
-            if w.round + 1 == self.head.round and self._usable(w, now):
+            if w.round + 1 == self.head.round and (not recent or p in recent) and self._usable(w, now):
                 groups.setdefault((w.weights_hash, w.state_hash), []).append(Head.of(w))
         mine = len(groups.get((self.head.weights_hash, self.head.state_hash), ())) + 1
         most = min(groups.values(), key=lambda heads: (-len(heads), min(h.rank() for h in heads)), default=())
@@ -1133,8 +1136,11 @@ class TaskMachine:
                    key=lambda h: (-len(groups[(h.round, h.weights_hash, h.state_hash)]), h.rank()))
 
     def _holders(self, head: Head, now: float) -> int:
-        """Live peers whose latest announcement is ``head``'s weights."""
-        return sum(1 for p, w in self.latest.items() if self.live(p, now) and Head.of(w).same_weights(head))
+        """Live peers whose latest announcement is ``head``'s weights, counted as voters are: those whose work went
+        into our weights lately (everyone where this node has applied nothing lately), so identities buy nothing."""
+        recent = self._recent_contributors(self.head.round) if self.head is not None else set()
+        return sum(1 for p, w in self.latest.items() if self.live(p, now) and (not recent or p in recent)
+                   and Head.of(w).same_weights(head))
 
     def _sync(self, best: Head, sources: tuple[Head, ...], reason: str, *, follow: bool | None) -> list[Effect]:
         """``follow``: join JOIN_LEAD_ROUNDS ahead (True), or as soon as the round allows (False, or None

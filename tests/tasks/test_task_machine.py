@@ -208,15 +208,18 @@ def test_one_node_cut_off_below_min_members_pauses_and_resyncs_after_the_heal():
 
 
 class GhostSwarm(Swarm):
-    """Peer "x" runs no machine: it is heard in every heartbeat and says only what a test sends as it."""
+    """Peers that run no machine ("x" unless told): heard in every heartbeat, they say only what a test sends."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, ghosts=("x",), **kwargs):
         super().__init__(*args, **kwargs)
-        self.group["x"] = 0
+        self.ghosts = tuple(ghosts)
+        for g in self.ghosts:
+            self.group[g] = 0
 
     def _heartbeat(self, only: str | None = None) -> None:
         if only is None:
-            self._log(0).hear("x", self.now)
+            for g in self.ghosts:
+                self._log(0).hear(g, self.now)
         super()._heartbeat(only)
 
 
@@ -240,6 +243,26 @@ def test_a_join_from_another_history_at_our_round_is_not_waited_for(holds):
     assert "x" not in a.members(a.rounds_seen[r], sim.now)
     took = sim.run_until(lambda: sim.rounds_done("a") >= r + 3, 60, step_s=0.1)
     assert took <= 3 * (TRAIN_S + 2 * HEARTBEAT_S), f"three rounds took {took:.1f} s"
+
+
+@pytest.mark.parametrize("more_work", [0, 1000])
+def test_a_crowd_of_fresh_identities_announcing_other_final_weights_moves_no_finished_node(more_work):
+    """Between weights of the same round more holders win where claimed work does not decide, and a finished node
+    moves to final weights a larger group holds (a forger's history, taken while cut off, is left that way); but
+    only peers whose work went into its weights count as holders: identities are free."""
+    sybils = [f"sybil-{i}" for i in range(10)]
+    sim = GhostSwarm(["a", "b", "c"], rounds=4, min_members=3, ghosts=sybils)
+    sim.run_until(sim.all_done, 60)
+    final = {n: sim.machines[n].head for n in "abc"}
+    head = final["a"]
+    for g in sybils:
+        sim.broadcast(g, WeightsAnnounce(task_id=TASK, round=head.round - 1, peer_id=g, weights_hash=h("fake"),
+                                         state_hash=h("fake state"), state_manifest=h("fake manifest"),
+                                         eval_loss=None, work=head.work + more_work))
+    seen = len(sim.events)
+    sim.advance(QUIET_S + 2 * HEARTBEAT_S)
+    assert not [e for _, e in sim.events[seen:] if isinstance(e, FetchState)]
+    assert {n: sim.machines[n].head for n in "abc"} == final
 
 
 def test_a_two_one_one_split_stops_every_side_then_settles_on_one_history():
