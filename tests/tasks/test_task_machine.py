@@ -245,7 +245,7 @@ def test_a_join_from_another_history_at_our_round_is_not_waited_for(holds):
     assert took <= 3 * (TRAIN_S + 2 * HEARTBEAT_S), f"three rounds took {took:.1f} s"
 
 
-@pytest.mark.parametrize("more_work", [0, 1000])
+@pytest.mark.parametrize("more_work", [-1, 0, 1000])
 def test_a_crowd_of_fresh_identities_announcing_other_final_weights_moves_no_finished_node(more_work):
     """Between weights of the same round more holders win where claimed work does not decide, and a finished node
     moves to final weights a larger group holds (a forger's history, taken while cut off, is left that way); but
