@@ -402,20 +402,20 @@ class TaskMachine:
     """(time, peer) for each update of ``heard``, a heap: when a peer heard only there goes quiet."""
     _own_changes: int = 0
     _heartbeats: int = 0
+    """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _held_seen: int = -1
     _held: tuple[Head, tuple[Head, ...]] | None = None
     """A finished node's last count of the final weights live peers hold (_held_more)."""
-    """Calls of heard_again: a cache computed before the latest is checked against the liveness changes."""
     _zero_joins: set[str] = field(default_factory=set)
     _gone_at: dict[str, float] = field(default_factory=dict)
     """Per peer, when its connections last all closed (PeerGone): shared heartbeats from before do not count."""
     _my_weights: WeightsAnnounce | None = None
     """Our latest WeightsAnnounce, told again to a node that joins from older weights."""
     _joined_at: dict[str, float] = field(default_factory=dict)
-    _join_base: dict[str, tuple[int, str]] = field(default_factory=dict)
-    """Per peer whose last word was a join: the weights it said it holds (TaskJoin.base_round, base_hash)."""
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
+    _join_base: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Per peer whose last word was a join: the weights it said it holds (TaskJoin.base_round, base_hash)."""
     _trained: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Per peer, the newest round it announced an update of, and that update's base: a peer that trained the next
     round from our weights of a round holds them, and one two rounds on has left the round behind, so neither owes
@@ -1551,7 +1551,9 @@ class TaskMachine:
                 p not in voters and self._owes(p, rec, now) for p in reversed(rec.waiting_votes)) \
                 and not self._vote_decided(rec, now):
             return []
-        late = tuple(p for p in rec.waiting_votes if p not in voters and self._owes(p, rec, now))
+        # Overdue only where the vote ran to its deadline (a decided vote closes before it, as intended).
+        late = tuple(p for p in rec.waiting_votes if p not in voters and self._owes(p, rec, now)) \
+            if now >= rec.applied_at + self.round_deadline_s else ()
         self._move(rec, "voted")
         counted = self._counted_voters(rec)
         voters = {p: w for p, w in voters.items() if p in counted}
