@@ -126,20 +126,20 @@ if ATTACK == "copy":
         deadline, tried = trio.current_time() + self.spec.round_deadline_s / 2, set()
         while trio.current_time() < deadline:
             rec = self.machine.rounds_seen.get(job.round)
-            for victim in sorted((rec.updates if rec else {}).items()):
-                if victim[0] == self.me or victim[0] in tried:
+            for producer, victim in sorted((rec.updates if rec else {}).items()):
+                if producer == self.me or producer in tried:
                     continue
-                tried.add(victim[0])
+                tried.add(producer)
                 try:
                     # Whoever has banned this node no longer serves it: copy another.
                     with trio.fail_after(max(0.1, deadline - trio.current_time())):
-                        ids = await _as_own(self, victim[1], job.round)
+                        ids = await _as_own(self, victim, job.round)
                 except (TransportError, trio.TooSlowError):
                     continue
                 shards = tuple(sorted(checks.shards_of(self.tid, job.round, self.me, list(job.members),
                                                        self.spec.dataset.num_shards)))
                 return Trained(round=job.round, samples=self.spec.inner_steps * self.spec.batch_size,
-                               manifest_ids=tuple(ids), losses=victim[1].losses, shards=shards)
+                               manifest_ids=tuple(ids), losses=victim.losses, shards=shards)
             await trio.sleep(0.05)
         return await _produce(self, job)  # nobody to copy from this round: an honest update
 
