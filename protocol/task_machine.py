@@ -101,6 +101,15 @@ CONTRIBUTED_ROUNDS = 16
 """A member's weights vote, and its turn as an aggregator, count while an aggregate this node applied in the
 last this-many rounds included its work; older contributors are forgotten, so the record stays bounded under
 churn."""
+NEWCOMER_WAIT_SHARE = 0.5
+"""While a newcomer has lately let a round's wait pass without an update, members with no update in the round before
+(joiners, restarted nodes) are waited for only this share of the time the others took, once those delivered: a
+newcomer as fast as them gets in, and a crowd of fresh identities that never train costs each round this share at
+most, not its deadline (_waiting)."""
+MISSED_ROUNDS = 4 * CONTRIBUTED_ROUNDS
+"""A member that was waited for to the deadline and sent nothing is not waited for in the next this-many rounds; its
+updates still count when they come in time. Neither joining again nor a late update restores it: a join costs
+nothing, and a late update no aggregate takes in costs nothing either (it is never screened)."""
 
 
 # -- events the caller feeds in (besides the task messages themselves) ----------------------------
@@ -346,6 +355,14 @@ class RoundState:
     updated_of: list[str] | None = None
     updated: int = 0
     """How many of the members list ``updated_of``, from the first, have sent their update."""
+    wait_of: list[str] | None = None
+    """The members list ``waited`` and ``newcomers`` were drawn from (TaskMachine._waiting)."""
+    waited: list[str] = field(default_factory=list)
+    """Members waited for to the deadline, popped as they deliver."""
+    newcomers: list[str] = field(default_factory=list)
+    """Members waited for NEWCOMER_WAIT_SHARE of the others' time once ``waited`` is empty, popped likewise."""
+    waited_in_at: float | None = None
+    """When every member of ``waited`` had delivered: the newcomers' wait runs from here."""
 
 
 @dataclass(kw_only=True)
@@ -432,6 +449,15 @@ class TaskMachine:
     """Started from its own checkpoint and has not opened a round since."""
     _declared: bool = False
     """``produce_from`` was announced in a TaskJoin (members count this node from it)."""
+    _delivered: dict[str, int] = field(default_factory=dict)
+    """Per peer, the last round it sent an update of from our weights, in time or not: waited for in the next one."""
+    _let_pass: dict[str, int] = field(default_factory=dict)
+    """Per peer, a round whose newcomer's wait it let pass without an update: not waited for until it sends one."""
+    _missed: dict[str, int] = field(default_factory=dict)
+    """Per peer, the last round it was waited for to the deadline and sent nothing: not waited for within
+    MISSED_ROUNDS (_waiting)."""
+    _newcomer_missed: int = -MISSED_ROUNDS - 1
+    """The last round a member with no update on record let its wait pass: newcomers get a share of one since."""
 
     # -- the tables ------------------------------------------------------------------------------
 
@@ -605,6 +631,9 @@ class TaskMachine:
     def _forget_before(self, r: int) -> None:
         for old in [i for i in self.rounds_seen if i < r - KEEP_ROUNDS or (i > r + AHEAD_ROUNDS)]:
             del self.rounds_seen[old]
+        for record in (self._delivered, self._let_pass, self._missed):
+            for peer in [p for p, at in record.items() if at <= r - MISSED_ROUNDS]:
+                del record[peer]
         self._members_cache.clear()
         self.audit.forget_before(r - KEEP_ROUNDS)
 
@@ -667,6 +696,8 @@ class TaskMachine:
             waited: list[str] = []
             if rec.phase is Phase.COLLECTING:
                 times.append(rec.started_at + self.round_deadline_s)
+                if rec.waited_in_at is not None:
+                    times.append(self._newcomers_until(rec))
                 if rec.republish_at is not None:
                     times.append(rec.republish_at)
                 cached = self._members_cache.get(rec.index)
@@ -771,6 +802,9 @@ class TaskMachine:
             self.dropped["wrong_base"] += 1
             return []
         self._hear_update(rec, msg)
+        if rec.base is not None:  # it trained from our weights, if only too late: waited for next round
+            self._delivered[msg.producer] = max(rec.index, self._delivered.get(msg.producer, -1))
+            self._let_pass.pop(msg.producer, None)
         if rec.phase is not None and rec.phase not in (Phase.TRAINING, Phase.COLLECTING):
             # Too late to count, but an aggregate may list it: the slice's choice may have been waiting on it.
             self.dropped["late_update"] += 1
@@ -1324,7 +1358,8 @@ class TaskMachine:
         # The length test first, and the scan resumed where it last stopped (updates are only added),
         # keep a 1,000-member round linear in its messages.
         everyone = len(rec.updates) >= len(members) and self._updated_count(rec, members) == len(members)
-        if not everyone and now < rec.started_at + self.round_deadline_s:
+        expired = now >= rec.started_at + self.round_deadline_s
+        if not everyone and not expired and self._waiting(rec, members, now):
             # A gossip message lost on a loaded link would leave a live member waiting out the
             # deadline for an update that was sent: while we wait, ours goes out again every quiet window.
             return self._regossip(rec, now)
@@ -1337,6 +1372,7 @@ class TaskMachine:
         self._move(rec, "collected")
         self.detail = ""
         rec.collected_at = now
+        self._record_misses(rec, late)
         rec.members = tuple(sorted(set(members) | set(rec.updates)))
         pool = [p for p in members if self.live(p, now)]
         # Aggregators are drawn from the members whose work went into the weights lately: new identities
@@ -1347,12 +1383,67 @@ class TaskMachine:
         if len(proven) >= self.aggregators_per_slice:
             pool = proven
         updates = tuple(rec.updates[p] for p in sorted(rec.updates))
-        effects: list[Effect] = [Overdue(rec.index, "collecting", late)] if late else []
+        effects: list[Effect] = [Overdue(rec.index, "collecting", late)] if late and expired else []
         for s in range(self.num_slices):
             rec.aggregators[s] = aggregators(self.task_id, rec.index, s, pool, self.aggregators_per_slice)
             if self.self_id in rec.aggregators[s]:
                 effects.append(Aggregate(rec.index, s, updates))
         return effects + self._check_gather(rec, now)
+
+    def _wait_kind(self, peer: str, r: int) -> int:
+        """2: waited for to the deadline; 1: a newcomer while newcomers lately let waits pass, waited for a share of
+        the others' time; 0: not waited for (it let a deadline pass within MISSED_ROUNDS, or a newcomer's share
+        and has sent no update since)."""
+        if peer == self.self_id:
+            return 2
+        if self._missed.get(peer, -MISSED_ROUNDS - 1) > r - MISSED_ROUNDS or peer in self._let_pass:
+            return 0
+        if self._delivered.get(peer, -2) >= r - 1 or self._newcomer_missed <= r - MISSED_ROUNDS:
+            return 2
+        return 1
+
+    def _waiting(self, rec: RoundState, members: list[str], now: float) -> bool:
+        """Whether collecting still waits for a member's update (_wait_kind): until the deadline; for a newcomer
+        while newcomers lately wasted waits, until NEWCOMER_WAIT_SHARE of the time the others took has passed since
+        they delivered; for a member that wasted one, not at all. A node with nobody else to wait for to the deadline
+        (a node just started, with no record) waits so for every member but those. The lists are popped as members
+        deliver, so a 1,000-member round stays linear in its messages."""
+        if rec.wait_of is not members:
+            kinds = [(p, self._wait_kind(p, rec.index)) for p in reversed(members)]
+            rec.waited = [p for p, k in kinds if k == 2]
+            rec.newcomers = [p for p, k in kinds if k == 1]
+            if all(p == self.self_id for p in rec.waited):
+                rec.waited, rec.newcomers = rec.waited + rec.newcomers, []
+            rec.wait_of, rec.waited_in_at = members, None
+        for waiting in (rec.waited, rec.newcomers):
+            while waiting and waiting[-1] in rec.updates:
+                waiting.pop()
+        if rec.waited:
+            rec.waited_in_at = None
+            return True
+        if not rec.newcomers:
+            return False
+        if rec.waited_in_at is None:
+            rec.waited_in_at = now
+        return now < self._newcomers_until(rec)
+
+    @staticmethod
+    def _newcomers_until(rec: RoundState) -> float:
+        return rec.waited_in_at + NEWCOMER_WAIT_SHARE * max(0.0, rec.waited_in_at - rec.started_at)
+
+    def _record_misses(self, rec: RoundState, late: tuple[str, ...]) -> None:
+        """The live members this round's collection closed without: one waited for to the deadline is not waited for
+        again within MISSED_ROUNDS; one whose newcomer's share passed, until it sends an update (_wait_kind)."""
+        for p in late:
+            kind = self._wait_kind(p, rec.index)
+            if kind == 0:
+                continue
+            if self._delivered.get(p, -2) < rec.index - 1:
+                self._newcomer_missed = rec.index
+            if kind == 2:
+                self._missed[p] = rec.index
+            else:
+                self._let_pass[p] = rec.index
 
     def _regossip(self, rec: RoundState, now: float) -> list[Effect]:
         """Our update (and our aggregates) again, a quiet window after the update first went out and every window after."""
@@ -1543,7 +1634,10 @@ class TaskMachine:
     def _check_vote(self, rec: RoundState, now: float) -> list[Effect]:
         voters = rec.weights
         if rec.waiting_votes is None:
-            rec.waiting_votes = [p for p in reversed(rec.members) if p != self.self_id]
+            # Only votes that count are waited for: a member whose work went into no recent aggregate (a joiner
+            # that never trains) would hold every round's vote open for nothing.
+            counted = self._counted_voters(rec)
+            rec.waiting_votes = [p for p in reversed(rec.members) if p != self.self_id and p in counted]
         # Members still to vote, popped as they vote: a 1,000-member round stays linear in its messages.
         while rec.waiting_votes and rec.waiting_votes[-1] in voters:
             rec.waiting_votes.pop()

@@ -8,7 +8,8 @@ inputs' result), zeros (a free-rider), sign_flip (-10x its update), gaussian (it
 10x its rms), stale (its first update replayed every round), overclaim (10x the samples it trained on
 claimed, for 10x the weight in the mean), equivocate (each aggregate it makes announced twice, the second
 time with another result over the same inputs), copy (each round another producer's update published as its
-own, nothing trained), two_updates (each update signed twice, the same slices as other manifests). Two
+own, nothing trained), two_updates (each update signed twice, the same slices as other manifests), silent
+(a member that joins and never trains: it costs time, which the run's wall seconds show). Two
 baselines run first: clean (every node honest) and honest_only (the honest nodes alone, the attackers never
 started). Per run, read from the honest nodes:
 
@@ -26,6 +27,9 @@ started). Per run, read from the honest nodes:
                               training checks) over seconds training, honest nodes
     check_seconds             of which the training checks, per honest node
     check_share               the training checks' seconds alone over seconds training
+    deadlines_waited_out      per honest node, the phases (collect, gather, vote) that ran to the round's
+                              deadline waiting for someone (node.log)
+    seconds                   from publishing the task until every honest node finished it
 
 Final losses of two runs of one clean seed differed by 2% here, so each attack runs with several task
 seeds and the JSON keeps the mean, the spread and every run.
@@ -58,7 +62,7 @@ from scripts.local_swarm import Swarm  # noqa: E402
 from scripts.swarm_task import TaskRun  # noqa: E402
 
 ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy",
-           "two_updates")
+           "two_updates", "silent")
 ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_DEAD_AFTER_S": "5",
        "SHOAL_HARDWARE_BENCHMARK": "false"}
 CORPUS_BYTES = 256 * 1024
@@ -163,6 +167,8 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         "screened": [t.get("screened", {}) for t in tasks],
         "forgeries_found": sum(len(t.get("forgeries", [])) for t in tasks),
         "seconds": round(took, 1),
+        "deadlines_waited_out": [(n.data_dir / "node.log").read_text(errors="replace").count("ran to its deadline")
+                                 for n in honest],
     }
 
 

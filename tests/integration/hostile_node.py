@@ -15,6 +15,8 @@ the protocol:
                inputs (each its own lie), and it never bans anyone
     two_updates it trains honestly and signs each update twice: as made, and the same slices published again as
                other manifests (a second update of the round from the same weights, each fetchable and valid)
+    silent     it joins, follows and votes, and never trains: every round it is a member of waits for an update
+               that never comes; when the swarm moves on without it, it re-syncs and joins again
 
 Only the trust tests and scripts/bench_byzantine.py start it; nothing in Shoal imports it."""
 
@@ -31,7 +33,8 @@ from node.tasks.exchange import Exchange
 from protocol.audit import Audit
 from protocol import task_machine
 
-ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy", "two_updates")
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy", "two_updates",
+           "silent")
 ATTACK = os.environ.get("HOSTILE_ATTACK", "")
 if ATTACK not in ATTACKS:
     sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
@@ -146,6 +149,15 @@ if ATTACK == "copy":
     from node.tasks import checks
     _produce = TaskRunner._produce
     TaskRunner._produce = _copy
+if ATTACK == "silent":
+    import trio
+
+    from node.tasks.runner import TaskRunner
+
+    async def _never(self, job):
+        await trio.sleep_forever()
+
+    TaskRunner._produce = _never
 if ATTACK in ("forge", "equivocate"):
     Audit.judge = lambda self, aggregate, accuser=None: []  # it never bans anyone, least of all the honest
 

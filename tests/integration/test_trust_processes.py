@@ -195,3 +195,25 @@ def test_a_producer_signing_two_updates_of_each_round_is_banned_everywhere_and_t
     assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
     logs = [(node.data_dir / "node.log").read_text() for node in honest]
     assert all("two updates of round" in text for text in logs)
+
+
+@pytest.mark.timeout(300)
+def test_a_member_that_joins_and_never_trains_holds_one_round_to_its_deadline_and_none_after(tmp_path):
+    """A member that never sends an update is waited for once: a round closes when the members that deliver
+    have, and it is never waited for again, however often it re-syncs and joins (a join costs it nothing)."""
+    honest, other, run = hostile_run(tmp_path, "silent")
+    tasks = [node.status["task"] for node in honest]
+    rounds = weights_by_round(tasks)
+    assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    # It was counted: some round's members include it (three honest nodes and it).
+    assert any(row["members"] == 4 for task in tasks for row in task["agreement"]), [t["agreement"] for t in tasks]
+    logs = [(node.data_dir / "node.log").read_text() for node in honest]
+    waited_out = [text.count("collecting ran to its deadline") for text in logs]
+    assert all(n <= 1 for n in waited_out), waited_out
+    credited = {r.producer for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs}
+    assert credited == {node.peer_id for node in honest}, credited
+    losses = [x for _, x in tasks[0]["eval_losses"]]
+    assert losses and losses[-1] < losses[0], losses
+    print(json.dumps({"collecting_ran_to_deadline": waited_out,
+                      "members": [[row["members"] for row in task["agreement"]] for task in tasks],
+                      "round_s": [[row["round_s"] for row in task["agreement"]] for task in tasks]}))

@@ -10,8 +10,8 @@ import pytest
 
 from protocol.round import aggregators
 from protocol.task import TaskJoin, UpdateAnnounce, WeightsAnnounce
-from protocol.task_machine import (PHASES, STAGES, Aggregate, Apply, FetchState, LocalTransitionError, Overdue, Phase,
-                                   Publish, RoundClosed, Stage, TaskMachine)
+from protocol.task_machine import (NEWCOMER_WAIT_SHARE, PHASES, STAGES, Aggregate, Apply, FetchState,
+                                   LocalTransitionError, Overdue, Phase, Publish, RoundClosed, Stage, TaskMachine)
 from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, TRAIN_SHARE, Swarm, h
 
 
@@ -732,3 +732,33 @@ def test_one_peers_claimed_work_does_not_pull_two_nodes_off_the_weights_they_agr
     m.handle(WeightsAnnounce(task_id=TASK, round=10, peer_id="b", weights_hash=H, state_hash=S, state_manifest=M,
                              eval_loss=1.0, work=30), 1.0)
     assert m._better_head(1.0) is None
+
+
+@pytest.mark.parametrize("identities", ["one", "a new one each round"])
+def test_members_that_join_every_round_and_never_train_hold_no_round_open(identities):
+    """A peer that joins each round from our weights and sends nothing is waited for once, to the deadline; from then
+    on it is not waited for, and while it was lately, neither is any newcomer beyond a share of what the members
+    that delivered took. So a fresh identity each round costs a round that share, never its deadline."""
+    ghosts = ["x"] if identities == "one" else [f"x{i}" for i in range(16)]
+    sim = GhostSwarm(["a", "b", "c", "d"], rounds=14, min_members=3, ghosts=ghosts)
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+    a = sim.machines["a"]
+    joined: dict[int, str] = {}
+
+    def join_each_round() -> bool:
+        r = a.current  # a join at the round being trained, from its weights: a member of it
+        if r not in joined and a.rounds_seen[r].base is not None:
+            joined[r] = ghosts[len(joined) % len(ghosts)]
+            sim.broadcast(joined[r], TaskJoin(task_id=TASK, peer_id=joined[r], round=r, base_round=r,
+                                              base_hash=a.rounds_seen[r].base.weights_hash))
+        return sim.all_done()
+
+    start = sim.rounds_done("a")
+    took = sim.run_until(join_each_round, 14 * DEADLINE_S, step_s=0.1)
+    rounds = sim.rounds_done("a") - start
+    assert sum(1 for r, g in joined.items() if r in a.rounds_seen and g in a.rounds_seen[r].members) >= 4
+    overdue = [e for n, e in sim.events if n == "a" and isinstance(e, Overdue) and e.phase == "collecting"]
+    assert len(overdue) == 1, "the first is waited for to the deadline; nobody after it"
+    share = 1 + NEWCOMER_WAIT_SHARE if identities != "one" else 1
+    assert took <= DEADLINE_S + rounds * (share * TRAIN_S + 2 * HEARTBEAT_S), f"{rounds} rounds took {took:.1f} s"
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
