@@ -1483,10 +1483,11 @@ class TaskMachine:
         return i
 
     def _check_gather(self, rec: RoundState, now: float) -> list[Effect]:
-        # A producer gone since it was collected serves its slices to nobody: no aggregate still to come can
-        # account for it, so the slice does not wait for one (an aggregator whose draw left the dead producer out
-        # would otherwise wait for a co-aggregator that, by its own draw, has no slice to make).
-        collected = {p for p in rec.updates if self.live(p, now)}
+        # A producer gone since the round started served its slices to nobody for a while: aggregators that fetched
+        # then left it out, and no aggregate still to come need account for it, even once it is back (a restarted
+        # process), so the slice does not wait for one. An aggregator whose draw left the dead producer out would
+        # otherwise wait for a co-aggregator that, by its own draw, has no slice to make, and that one for the other.
+        collected = {p for p in rec.updates if self.live(p, now) and not self._away_since(p, rec.started_at)}
         heard = rec.heard_updates
         eligible = set(rec.members)
         banned = self.audit.banned
@@ -1583,6 +1584,10 @@ class TaskMachine:
                      for c in chosen)
         best = self._best_known(now) if not rec.producing else None
         return [*overdue, Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
+
+    def _away_since(self, peer: str, t: float) -> bool:
+        """Whether ``peer``'s connections all closed, or it joined again (a new process), after ``t``."""
+        return max(self._gone_at.get(peer, float("-inf")), self._joined_at.get(peer, float("-inf"))) > t
 
     def _voted_past(self, rec: RoundState, now: float) -> bool:
         """A round followed to catch up that the swarm has since voted on: its aggregates are not recomputed. The

@@ -762,3 +762,42 @@ def test_members_that_join_every_round_and_never_train_hold_no_round_open(identi
     share = 1 + NEWCOMER_WAIT_SHARE if identities != "one" else 1
     assert took <= DEADLINE_S + rounds * (share * TRAIN_S + 2 * HEARTBEAT_S), f"{rounds} rounds took {took:.1f} s"
     assert not sim.disagreements() and len(final_hashes(sim)) == 1
+
+
+def _draws_apart(names: list[str], late: str, victim: str) -> tuple[int, str]:
+    """A round and a peer such that, with ``victim`` dead before ``late`` draws its aggregators (and alive when the
+    others did), ``late`` hands one slice to that peer, which by its own draw has no slice to make there."""
+    for r in range(3, 40):
+        for s in range(2):
+            everyone = aggregators(TASK, r, s, names, 2)
+            without = aggregators(TASK, r, s, [n for n in names if n != victim], 2)
+            extra = set(without) - set(everyone)
+            if victim in everyone and extra and late not in extra:
+                return r, extra.pop()
+    raise AssertionError("no such round")
+
+
+def test_a_producer_killed_and_back_while_the_aggregators_drew_apart_holds_no_slice_to_the_deadline():
+    """d's update is in every node's collection; d dies just after a, c and d drew the aggregators (with d) and
+    before b, which missed an update for a quiet window, drew them (without d), and is back within seconds. Every
+    aggregator fetched while d was gone and left it out. Its slices are not waited for: no aggregate to come will
+    account for a producer that was gone since the round started, so neither side waits for the co-aggregator its
+    own draw named and the other's did not (a chaos run waited 60 s on this)."""
+    names = ["a", "b", "c", "d"]
+    r, _ = _draws_apart(names, "b", "d")
+    sim = LossySwarm(names, rounds=r + 2, min_members=3, lose=("a", "UpdateAnnounce", r, "b"))
+    for n in names:
+        sim.aggregate_s[n] = 1.0
+    a, b = sim.machines["a"], sim.machines["b"]
+    sim.run_until(lambda: a.current == r and a.rounds_seen[r].phase is Phase.GATHERING, 60, step_s=0.05)
+    assert "d" in a.rounds_seen[r].aggregators[0] + a.rounds_seen[r].aggregators[1]
+    sim.kill("d", sockets_close=True)
+    sim.run_until(lambda: b.rounds_seen[r].phase is Phase.GATHERING, 2 * QUIET_S, step_s=0.05)
+    assert "d" in b.rounds_seen[r].updates
+    sim.advance(1.2)  # b's aggregation too fetched while d was gone
+    sim.restart("d")
+    sim.run_until(lambda: all((n, r) in sim.closed_by for n in "abc"), DEADLINE_S, step_s=0.05)
+    took = max(sim.closed_by[(n, r)] for n in "abc") - min(sim.closed_by[(n, r - 1)] for n in "abc")
+    assert took <= TRAIN_S + 2 * QUIET_S + 2 * HEARTBEAT_S, f"round {r} took {took:.1f} s"
+    sim.run_until(sim.all_done, 3 * DEADLINE_S)
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
