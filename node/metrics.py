@@ -167,6 +167,8 @@ def task_samples(node) -> Iterable[Sample]:
         for reason, n in t.get("dropped", {}).items():
             yield ("shoal_task_rejected_total", "counter", "Task messages and updates refused, by reason",
                    {**task, "reason": reason}, n)
+        yield ("shoal_task_members_not_waited_for", "gauge", "Members a round no longer waits for: each let a wait "
+               "pass without an update (`shoal task show` names them)", task, len(t.get("not_waited") or {}))
         for reason, n in sorted(t.get("screened", {}).items()):
             yield ("shoal_task_screened_total", "counter", "Producers' slices this node's aggregations left out, "
                    "by reason (empty: zeros; duplicate: a near copy of another's; opposed: against the median; "

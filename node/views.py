@@ -159,6 +159,9 @@ def print_task(t: dict, console: Console | None = None) -> None:
                      + (f"; {errors} round(s) not written (see the log)" if errors else ""))
         if t.get("banned"):
             head.add_row("banned", "\n".join(t["banned"]))
+        if t.get("not_waited"):
+            head.add_row("not waited for", "\n".join(f"{p} (sent nothing in round {r})"
+                                                      for p, r in t["not_waited"].items()))
         for f in t.get("forgeries", []):
             head.add_row("forged aggregate", f"round {f['round']} slice {f['slice']} by {f['aggregator']}: announced "
                          f"{f['announced'][:16]}, its inputs give {f['recomputed'][:16]}"

@@ -1691,7 +1691,15 @@ class TaskMachine:
                 "members": self.members(rec, now) if rec is not None and rec.base is not None else [],
                 "updates": len(rec.updates) if rec else 0, "dropped": dict(self.dropped),
                 "banned": sorted(self.audit.banned),
+                "not_waited": self.not_waited(),
                 "announced": self.announced()}
+
+    def not_waited(self, limit: int = 64) -> dict[str, int]:
+        """Peers a round no longer waits for, each with the round it let a wait pass in (_wait_kind), latest first."""
+        r = max(self.current, 0)
+        missed = {**self._let_pass, **self._missed}
+        out = sorted(((at, p) for p, at in missed.items() if self._wait_kind(p, r) == 0), reverse=True)
+        return {p: at for at, p in out[:limit]}
 
     def announced(self, limit: int = 64) -> dict[str, dict]:
         """What each peer last said of itself in its WeightsAnnounce (round, held-out loss, training share),

@@ -144,7 +144,7 @@ class TaskRunner:
             "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
             "eval_losses": [[i, round(x, 4)] for i, x in self.eval_losses],
             "agreement": self.agreement[-MAX_STATUS_ROUNDS:], "dissents": self.dissents[-5:],
-            "banned": m["banned"], "forgeries": self.forgeries[-5:],
+            "banned": m["banned"], "not_waited": m["not_waited"], "forgeries": self.forgeries[-5:],
             "bytes": {"sent": stats.bytes_served - self._bytes_at_start[0],
                       "received": stats.bytes_fetched - self._bytes_at_start[1]},
             "dropped": m["dropped"],

@@ -210,6 +210,8 @@ def test_a_member_that_joins_and_never_trains_holds_one_round_to_its_deadline_an
     logs = [(node.data_dir / "node.log").read_text() for node in honest]
     waited_out = [text.count("collecting ran to its deadline") for text in logs]
     assert all(n <= 1 for n in waited_out), waited_out
+    # Every honest node says whom it no longer waits for (`shoal task show`, /status).
+    assert all(list(task["not_waited"]) == [other.peer_id] for task in tasks), [t["not_waited"] for t in tasks]
     credited = {r.producer for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs}
     assert credited == {node.peer_id for node in honest}, credited
     losses = [x for _, x in tasks[0]["eval_losses"]]

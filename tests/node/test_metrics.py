@@ -30,7 +30,7 @@ def test_task_samples_from_the_task_service_status():
                             {"round": 2, "agreed": True, "caught_up": True, "train_s": 0.0, "round_s": 1.0}],
               "peers": [{"peer_id": "12D3KooW" + "a" * 44, "train_share": 0.9},
                         {"peer_id": "12D3KooW" + "b" * 44, "train_share": None}],
-              "screened": {"empty": 1}, "screened_applied": {"empty": 3, "opposed": 2},
+              "screened": {"empty": 1}, "screened_applied": {"empty": 3, "opposed": 2}, "not_waited": {"x": 1},
               "training_checks": {"enabled": True, "passed": 7, "untrained": 1, "confirmed": 0, "refuted": 2,
                                   "unjudged": 0, "seconds": 1.5, "findings": []}}
     known = SimpleNamespace(spec=SimpleNamespace(inner_steps=50))
@@ -44,6 +44,7 @@ def test_task_samples_from_the_task_service_status():
     assert got[("shoal_task_rounds_total", (("outcome", "caught_up"), task))] == 1
     assert got[("shoal_tasks", (("decision", "joined"),))] == 1
     assert got[("shoal_task_screened_total", (("reason", "empty"), task))] == 1
+    assert got[("shoal_task_members_not_waited_for", (task,))] == 1
     assert got[("shoal_task_screened_applied_total", (("reason", "opposed"), task))] == 2
     assert got[("shoal_task_training_checks_total", (("outcome", "untrained"), task))] == 1
     assert got[("shoal_task_training_checks_total", (("outcome", "refuted"), task))] == 2

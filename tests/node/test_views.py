@@ -83,3 +83,10 @@ def test_status_shows_the_routers_port_mapping():
     text = console.export_text()
     assert "public (2 of 2 peer(s) dialed back)" in text
     assert "port mapping: NAT-PMP on 192.168.1.1: 203.0.113.9:4001 -> port 4001" in text
+
+
+def test_task_show_names_the_members_a_round_no_longer_waits_for():
+    base = {"id": "ab" * 32, "name": "demo", "initiator": A, "decision": "joined", "round": 3, "rounds": 10,
+            "members": [A, B], "dropped": {}}
+    assert f"{B} (sent nothing in round 1)" in shown({**base, "not_waited": {B: 1}})
+    assert "not waited for" not in shown({**base, "not_waited": {}})

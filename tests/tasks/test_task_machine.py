@@ -759,6 +759,8 @@ def test_members_that_join_every_round_and_never_train_hold_no_round_open(identi
     assert sum(1 for r, g in joined.items() if r in a.rounds_seen and g in a.rounds_seen[r].members) >= 4
     overdue = [e for n, e in sim.events if n == "a" and isinstance(e, Overdue) and e.phase == "collecting"]
     assert len(overdue) == 1, "the first is waited for to the deadline; nobody after it"
+    not_waited = a.statistics(sim.now)["not_waited"]
+    assert ghosts[0] in not_waited and set(not_waited) <= set(ghosts), not_waited
     share = 1 + NEWCOMER_WAIT_SHARE if identities != "one" else 1
     assert took <= DEADLINE_S + rounds * (share * TRAIN_S + 2 * HEARTBEAT_S), f"{rounds} rounds took {took:.1f} s"
     assert not sim.disagreements() and len(final_hashes(sim)) == 1
