@@ -15,8 +15,8 @@ the protocol:
                inputs (each its own lie), and it never bans anyone
     two_updates it trains honestly and signs each update twice: as made, and the same slices published again as
                other manifests (a second update of the round from the same weights, each fetchable and valid)
-    silent     it joins, follows and votes, and never trains: every round it is a member of waits for an update
-               that never comes; when the swarm moves on without it, it re-syncs and joins again
+    silent     it joins and never trains (its own round stays in training): every round it is a member of waits
+               for an update that never comes; when the swarm moves on without it, it re-syncs and joins again
 
 Only the trust tests and scripts/bench_byzantine.py start it; nothing in Shoal imports it."""
 
