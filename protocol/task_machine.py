@@ -1390,17 +1390,21 @@ class TaskMachine:
                 effects.append(Aggregate(rec.index, s, updates))
         return effects + self._check_gather(rec, now)
 
-    def _wait_kind(self, peer: str, r: int) -> int:
-        """2: waited for to the deadline; 1: a newcomer while newcomers lately let waits pass, waited for a share of
-        the others' time; 0: not waited for (it let a deadline pass within MISSED_ROUNDS, or a newcomer's share
-        and has sent no update since)."""
+    def _newcomer(self, peer: str, r: int) -> bool:
+        """No update of round r−1 (or later) from ``peer`` on record here: a joiner, or a restarted node."""
+        return self._delivered.get(peer, -2) < r - 1
+
+    def _wait_kind(self, peer: str, r: int) -> str:
+        """How long collecting round r waits for ``peer``: "deadline"; "share", a newcomer while newcomers lately let
+        waits pass (NEWCOMER_WAIT_SHARE of the others' time); "none", one that let a deadline pass within
+        MISSED_ROUNDS, or a newcomer's share and has sent no update since."""
         if peer == self.self_id:
-            return 2
+            return "deadline"
         if self._missed.get(peer, -MISSED_ROUNDS - 1) > r - MISSED_ROUNDS or peer in self._let_pass:
-            return 0
-        if self._delivered.get(peer, -2) >= r - 1 or self._newcomer_missed <= r - MISSED_ROUNDS:
-            return 2
-        return 1
+            return "none"
+        if not self._newcomer(peer, r) or self._newcomer_missed <= r - MISSED_ROUNDS:
+            return "deadline"
+        return "share"
 
     def _waiting(self, rec: RoundState, members: list[str], now: float) -> bool:
         """Whether collecting still waits for a member's update (_wait_kind): until the deadline; for a newcomer
@@ -1410,8 +1414,8 @@ class TaskMachine:
         deliver, so a 1,000-member round stays linear in its messages."""
         if rec.wait_of is not members:
             kinds = [(p, self._wait_kind(p, rec.index)) for p in reversed(members)]
-            rec.waited = [p for p, k in kinds if k == 2]
-            rec.newcomers = [p for p, k in kinds if k == 1]
+            rec.waited = [p for p, k in kinds if k == "deadline"]
+            rec.newcomers = [p for p, k in kinds if k == "share"]
             if all(p == self.self_id for p in rec.waited):
                 rec.waited, rec.newcomers = rec.waited + rec.newcomers, []
             rec.wait_of, rec.waited_in_at = members, None
@@ -1436,11 +1440,11 @@ class TaskMachine:
         again within MISSED_ROUNDS; one whose newcomer's share passed, until it sends an update (_wait_kind)."""
         for p in late:
             kind = self._wait_kind(p, rec.index)
-            if kind == 0:
+            if kind == "none":
                 continue
-            if self._delivered.get(p, -2) < rec.index - 1:
+            if self._newcomer(p, rec.index):
                 self._newcomer_missed = rec.index
-            if kind == 2:
+            if kind == "deadline":
                 self._missed[p] = rec.index
             else:
                 self._let_pass[p] = rec.index
@@ -1698,7 +1702,7 @@ class TaskMachine:
         """Peers a round no longer waits for, each with the round it let a wait pass in (_wait_kind), latest first."""
         r = max(self.current, 0)
         missed = {**self._let_pass, **self._missed}
-        out = sorted(((at, p) for p, at in missed.items() if self._wait_kind(p, r) == 0), reverse=True)
+        out = sorted(((at, p) for p, at in missed.items() if self._wait_kind(p, r) == "none"), reverse=True)
         return {p: at for at, p in out[:limit]}
 
     def announced(self, limit: int = 64) -> dict[str, dict]:
