@@ -9,7 +9,8 @@ import typing
 from typing import Any
 
 from protocol.errors import ConfigError
-from protocol.task import AdamWSpec, AggregationSpec, DatasetSpec, HFSpec, ModelSpec, Requirements, TaskSpec
+from protocol.task import (AdamWSpec, AggregationSpec, DatasetSpec, HFSpec, ModelSpec, Requirements, TaskSpec,
+                           outer_defaults)
 
 _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec,
         "aggregation": AggregationSpec}
@@ -25,7 +26,7 @@ TOML_COMPRESSION, TOML_AGGREGATE_COMPRESSION = "int4", "int4"
 (README "Compression"): int4 updates with int4 aggregates halve int8's payload at a loss gap within the
 seeds' spread. On the wire the defaults stay int8, so specs sent before keep their ids."""
 _DEFAULTS: dict[str, Any] = {
-    "recipe": "tiny-lm", "time_budget_s": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9,
+    "recipe": "tiny-lm", "time_budget_s": 0.0,
     "compression": TOML_COMPRESSION, "aggregate_compression": TOML_AGGREGATE_COMPRESSION,
     "aggregation_shards": 2, "aggregators_per_shard": 2, "min_members": 1, "max_members": 64, "seed": 0,
     "created_ms": 0, "round_deadline_s": 120.0, "init_manifest": "",
@@ -82,6 +83,10 @@ def spec_from_dict(fields: dict, *, created_ms: int | None = None) -> TaskSpec:
             table[key] = {**table[key], **value}
         else:
             table[key] = value
+    # The outer optimizer's defaults depend on the update compression (protocol.task.outer_defaults).
+    compression = table["compression"] if isinstance(table["compression"], str) else ""
+    for key, value in zip(("outer_lr", "outer_momentum"), outer_defaults(compression)):
+        table.setdefault(key, value)
     if created_ms is not None and not fields.get("created_ms"):
         table["created_ms"] = created_ms
     return _build(TaskSpec, table, "")

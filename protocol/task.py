@@ -24,6 +24,19 @@ MAX_PIN_CHARS = 64
 KNOWN_COMPRESSIONS = ("int8", "int4", "int2", "topk")
 AGGREGATE_COMPRESSIONS = ("int8", "int4", "int2")
 """How aggregators may encode a slice's aggregate (block-wise; a mean of several producers is dense)."""
+OUTER_DEFAULTS = {"topk": (1.5, 0.0)}
+DEFAULT_OUTER = (0.7, 0.9)
+"""The outer (learning rate, Nesterov momentum) a spec gets when it names neither: DiLoCo's, except for top-k,
+whose error feedback already carries most of each update into later rounds (SparseLoCo uses no outer momentum).
+With momentum 0.9 top-k diverged from scratch (held-out loss 2.9 -> 9.3 over 12 rounds in node.train.simulate);
+momentum 0 with 1.5 was the best of the rates tried (README "Compression")."""
+
+
+def outer_defaults(compression: str) -> tuple[float, float]:
+    """(outer_lr, outer_momentum) for an update ``compression`` (KNOWN_COMPRESSIONS)."""
+    return OUTER_DEFAULTS.get(compression, DEFAULT_OUTER)
+
+
 KNOWN_DEVICES = ("cpu", "cuda", "any")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "centered_clip")
 SCREEN_REASONS = ("empty", "duplicate", "opposed", "outsized")

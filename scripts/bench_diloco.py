@@ -69,7 +69,7 @@ def task_fields(setup, args) -> dict:
     return {
         "name": f"bench-diloco-k{args.workers}", "inner_steps": args.inner_steps, "batch_size": setup.batch_size,
         "rounds": args.rounds, "round_deadline_s": 120.0, "min_members": args.workers, "max_members": args.workers,
-        "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "int8", "aggregation_shards": 2,
+        "compression": "int8", "aggregation_shards": 2,  # the outer optimizer: the compression's defaults
         "aggregators_per_shard": min(2, args.workers), "seed": setup.seed,
         "model": {"n_layer": m.n_layer, "n_head": m.n_head, "d_model": m.d_model, "seq_len": m.seq_len},
         "dataset": {"kind": "stdlib-corpus", "max_bytes": setup.corpus_bytes,

@@ -28,7 +28,7 @@ from node.train.diloco import Named, OuterNesterov, flatten, named_tensors, pseu
 from node.train.inner import AdamWConfig, InnerLoop, evaluate, train_inner
 from node.train.model import ModelConfig, init_model, num_params
 from protocol.rendezvous import assign_shards
-from protocol.task import AGGREGATE_COMPRESSIONS
+from protocol.task import AGGREGATE_COMPRESSIONS, outer_defaults
 
 TASK_ID = "simulate"
 COMPRESSIONS = (*CODECS, "none")
@@ -129,8 +129,8 @@ def run_diloco(
     inner_steps: int,
     compression: str = "int8",
     aggregate: str = "int8",
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
     error_feedback: bool = False,
     start: Named | None = None,
     overlap: str = "none",
@@ -141,7 +141,8 @@ def run_diloco(
 
     With ``overlap`` (OVERLAPS) each worker takes ``ahead`` of a round's steps after sending its update, as
     if the exchange ran meanwhile, and rebases them onto the next round's weights (node/train/worker.py),
-    which then trains only the rest of its steps."""
+    which then trains only the rest of its steps. The outer optimizer left at None takes the compression's
+    defaults, as a task spec does (protocol.task.outer_defaults)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if overlap not in OVERLAPS:
@@ -151,7 +152,9 @@ def run_diloco(
     t0 = time.monotonic()
     shards, heldout = _data(setup)
     theta = start if start is not None else start_weights(setup)
-    outer = OuterNesterov(lr=outer_lr, momentum=outer_momentum)
+    default_lr, default_momentum = outer_defaults(compression)
+    outer = OuterNesterov(lr=default_lr if outer_lr is None else outer_lr,
+                          momentum=default_momentum if outer_momentum is None else outer_momentum)
     peers = [f"peer-{i}" for i in range(workers)]
     loops: dict[str, InnerLoop] = {}
     carried: dict[str, tuple[Named, int]] = {}

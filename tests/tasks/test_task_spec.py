@@ -44,6 +44,16 @@ def test_a_toml_spec_that_names_no_compression_gets_int4_updates_and_aggregates(
     assert decode(encode(spec)) == spec and task_id(spec) != task_id(load_spec_toml(SPEC_TOML))
 
 
+def test_a_top_k_spec_gets_no_outer_momentum_unless_it_names_one():
+    """top-k's error feedback carries each update on: its outer defaults are (1.5, 0) (protocol.task.OUTER_DEFAULTS)."""
+    text = SPEC_TOML.replace('compression = "int8"\n', 'compression = "topk"\n', 1)
+    spec = load_spec_toml(text)
+    assert spec.compression == "topk" and (spec.outer_lr, spec.outer_momentum) == (1.5, 0.0)
+    named = load_spec_toml(text.replace('compression = "topk"\n', 'compression = "topk"\nouter_momentum = 0.5\n', 1))
+    assert (named.outer_lr, named.outer_momentum) == (1.5, 0.5)
+    assert decode(encode(spec)) == spec
+
+
 def test_toml_defaults_and_id_are_stable():
     spec = load_spec_toml(SPEC_TOML)
     assert spec.recipe == "tiny-lm" and spec.outer_lr == 0.7 and spec.outer_momentum == 0.9
