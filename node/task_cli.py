@@ -18,12 +18,14 @@ task_app = typer.Typer(add_completion=False, no_args_is_help=True,
 def publish(spec: Path = typer.Argument(..., help="Task spec TOML file (see examples/tiny-task.toml)."),
             data_dir: Optional[Path] = DataDir, url: Optional[str] = Url) -> None:
     """Sign SPEC with this node's key as initiator and gossip it; prints the task id."""
-    from protocol.spec_toml import load_spec_toml
+    from protocol.spec_toml import advice, load_spec_toml
     try:
         text = spec.read_text()
     except OSError as exc:
         fail(f"cannot read {spec}: {exc.strerror}")
-    run_cli(lambda: load_spec_toml(text))  # a mistake is reported here, before the node is asked
+    parsed = run_cli(lambda: load_spec_toml(text))  # a mistake is reported here, before the node is asked
+    for note in advice(parsed):
+        typer.echo(f"note: {note}", err=True)
     answer = run_cli(lambda: _client(data_dir, url).call("/task/publish", body={"toml": text}))
     typer.echo(answer["task_id"])
     if answer.get("decision") == "declined":

@@ -92,6 +92,20 @@ def spec_from_dict(fields: dict, *, created_ms: int | None = None) -> TaskSpec:
     return _build(TaskSpec, table, "")
 
 
+TOPK_MOMENTUM_KEPT_FALLING = 0.5
+"""The highest outer momentum with which top-k was measured to keep learning from scratch (0.9 diverged)."""
+
+
+def advice(spec: TaskSpec) -> list[str]:
+    """Notes on a valid spec that measured badly (README "Compression"); publishing it is still allowed."""
+    notes = []
+    if spec.compression == "topk" and spec.outer_momentum > TOPK_MOMENTUM_KEPT_FALLING:
+        notes.append(f"compression = \"topk\" with outer_momentum = {spec.outer_momentum}: top-k's error feedback "
+                     f"already carries each update into later rounds, and with 0.9 it diverged from scratch; leave "
+                     f"outer_lr and outer_momentum out for its defaults ({', '.join(map(str, outer_defaults('topk')))})")
+    return notes
+
+
 def load_spec_toml(text: str, *, created_ms: int | None = None) -> TaskSpec:
     """Parse a task spec from TOML (a top-level [task] table is optional); ConfigError on any mistake."""
     try:

@@ -19,7 +19,7 @@ async def test_publish_list_show(network, tmp_path):
         node = await Swarm(nursery, tmp_path, network).add("a", join=False)
         url = ["--url", node.control_url, "--data-dir", str(node.config.data_dir)]
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["publish", str(EXAMPLE), *url]))
-        assert out.exit_code == 0, out.output
+        assert out.exit_code == 0 and "topk" not in out.output, out.output
         tid = out.stdout.strip().splitlines()[0]
         assert len(tid) == 64
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["list", *url]))
@@ -28,6 +28,12 @@ async def test_publish_list_show(network, tmp_path):
         assert out.exit_code == 0 and '"tiny-lm-3-nodes"' in out.stdout
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["show", tid[:8], *url]))
         assert out.exit_code == 0 and "tiny-lm-3-nodes" in out.stdout and "model.n_layer" in out.stdout
+        # A valid spec that measured badly is published, with a note saying why and what to change.
+        topk = tmp_path / "topk.toml"
+        topk.write_text(EXAMPLE.read_text().replace('compression = "int4"  ', 'compression = "topk"  ', 1))
+        out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["publish", str(topk), *url]))
+        assert out.exit_code == 0 and len(out.stdout.strip()) == 64, out.output
+        assert "note: compression = \"topk\" with outer_momentum = 0.9" in out.stderr and "(1.5, 0.0)" in out.stderr
         bad = tmp_path / "bad.toml"
         bad.write_text(EXAMPLE.read_text().replace("rounds = 10", "rounds = -1"))
         out = await trio.to_thread.run_sync(lambda: cli.invoke(task_app, ["publish", str(bad), *url]))
