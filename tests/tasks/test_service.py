@@ -7,6 +7,7 @@ import logging
 import pytest
 import trio
 
+from node.shardcast import MANIFEST_PROTOCOL, SHARD_PROTOCOL
 from protocol.task import SPECS_TOPIC, task_id
 from protocol.task_machine import Phase
 from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until, when_update_sent
@@ -117,9 +118,23 @@ async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_th
     caplog.set_level(logging.INFO, logger="shoal.tasks")
     spec = tiny_spec(rounds=3, min_members=3, round_deadline_s=600.0)
     tid = task_id(spec)
+    dead = trio.Event()
 
-    async def kill(_):
-        network.kill(victim_id)  # at once, before any aggregator can fetch a slice of it
+    async def never_answer(stream):
+        await trio.sleep_forever()
+
+    async def kill(victim_runner):
+        # From this instant it serves nothing (a frozen process), and it is killed once every other node has
+        # counted its update: the round then closes with it, and its slices are asked of a producer that never
+        # serves them. Killed at once instead, a node could hear of the death before the update (trio runs
+        # either first) and close the round without it, fetching nothing, and the path would go untried.
+        for protocol in (SHARD_PROTOCOL, MANIFEST_PROTOCOL):
+            victim_runner.node.host.set_stream_handler(protocol, never_answer)
+        r = victim_runner.machine.current
+        await wait_until(lambda: all(victim_id in runner(n, tid).machine.rounds_seen[r].updates for n in nodes[:3]),
+                         timeout_s=30, poll_s=0.005)
+        network.kill(victim_id)
+        dead.set()
 
     def counted(msg) -> bool:
         """Every other node still collects the update's round: it is counted, and its slices will be fetched."""
@@ -127,7 +142,7 @@ async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_th
         recs = [m.rounds_seen.get(msg.round) for m in machines if m.current == msg.round]
         return len(recs) == 3 and all(r is not None and r.phase in (Phase.TRAINING, Phase.COLLECTING) for r in recs)
 
-    killed = when_update_sent(monkeypatch, lambda: victim_id, counted, kill)
+    when_update_sent(monkeypatch, lambda: victim_id, counted, kill)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, tmp_path, network)
         nodes = [await swarm.add(n) for n in "abcd"]
@@ -135,7 +150,7 @@ async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_th
         await swarm.connected()
         await nodes[0].tasks.publish(spec)
         with trio.fail_after(60):
-            await killed.wait()
+            await dead.wait()
         swarm.scopes["d"].cancel()
         survivors = nodes[:3]
         await wait_until(lambda: all(finished(n, tid) for n in survivors), timeout_s=120)
