@@ -108,9 +108,9 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
         await nursery.start(svc.run)
         exchange = Exchange(shardcast=svc, spec=spec, task_id=TASK_ID, directory=task_dir, keypair=me,
                             penalize=lambda peer, reason: None, num_params=lambda: num_params)
-        # Rounds here run back to back without training: keep the states a node whose rounds take minutes
-        # keeps (a superseded state lives two round deadlines more, for joiners that started fetching it).
-        exchange.state_retention_s = 0.0
+        # Rounds here run back to back without training: keep the aggregates a node whose rounds take minutes
+        # keeps (a round's aggregates live two round deadlines past their two rounds, for joiners that follow).
+        exchange.aggregate_retention_s = 0.0
         for r in range(rounds):
             # Fresh bytes every round (a content-addressed store would otherwise keep one copy), untimed.
             delta["w"][0] = 1e-3 * (r + 1)

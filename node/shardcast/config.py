@@ -45,6 +45,9 @@ class ShardcastConfig:
     stall_timeout_s: float = 60.0
     """A fetch fails with TransferTimeout after this long without a new verified shard."""
     keep_manifests: int = 3
+    serving_grace_s: float = 10.0
+    """A manifest released while peers fetch it stays until none has asked for it (its manifest or a shard) for
+    this long: a joiner half-way through the weights the swarm just replaced must still find them."""
     max_known_manifests: int = 64
     max_streams_per_peer: int = 32
     """Inbound manifest and shard streams one peer may hold open at once; more are reset and charged.

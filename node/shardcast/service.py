@@ -66,6 +66,10 @@ class ShardcastService:
         self._holders: OrderedDict[bytes, dict[str, set[int]]] = OrderedDict()
         self._seeds: dict[bytes, Seed] = {}
         self._active_fetches: Counter[bytes] = Counter()
+        self._served_at: dict[bytes, float] = {}
+        """When a peer last asked for each manifest we hold (its manifest, or a shard of it)."""
+        self._releasing: set[bytes] = set()
+        """Released, and dropped once no fetch of them (ours or a peer's) is under way: see release()."""
         self._inflight_by_peer: Counter[str] = Counter()
         self._dirty: set[bytes] = set()
         self._announce_wakeup = trio.Event()
@@ -94,6 +98,7 @@ class ShardcastService:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._consume_gossip, gossip)
             nursery.start_soon(self._announce_loop)
+            nursery.start_soon(self._release_loop)
             self._running = True
             task_status.started()
 
@@ -209,13 +214,32 @@ class ShardcastService:
         return blob_to_tensors(self._assemble(manifest, verify=verify), manifest.tensors)
 
     async def release(self, manifest_ids) -> None:
-        """Drop these manifests now (unless a fetch of one is under way) and the shards only they referenced."""
+        """Drop these manifests and the shards only they referenced: now, or, while we fetch one or a peer has
+        asked for it within serving_grace_s, once that is over (_release_loop)."""
+        now, grace = trio.current_time(), self.config.serving_grace_s
+        self._served_at = {m: t for m, t in self._served_at.items() if now - t < grace}
         async with self._gc_lock:
-            protect, drop = set(self._active_fetches), set(manifest_ids)
-            await trio.to_thread.run_sync(
-                lambda: self.store.gc(keep_manifests=self.config.keep_manifests, protect=protect, drop=drop))
+            wanted = self._releasing | set(manifest_ids)
+            busy = {m for m in wanted if m in self._active_fetches or m in self._served_at}
+            self._releasing = busy
+            protect = set(self._active_fetches) | busy
+            await trio.to_thread.run_sync(lambda: self.store.gc(keep_manifests=self.config.keep_manifests,
+                                                                protect=protect, drop=wanted - busy))
         for mid in [m for m in self._seeds if self.store.get_manifest(m) is None]:
             del self._seeds[mid]
+
+    def releasing(self) -> frozenset[bytes]:
+        """Manifests released but still kept for a fetch under way."""
+        return frozenset(self._releasing)
+
+    async def _release_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.serving_grace_s / 4)
+            if self._releasing:
+                await self.release(())
+
+    def _serving(self, manifest_id: bytes) -> None:
+        self._served_at[manifest_id] = trio.current_time()
 
     def export_file(self, manifest: Manifest, path: Path | str) -> None:
         """Write the manifest's content to ``path`` atomically (blocking)."""
@@ -305,7 +329,14 @@ class ShardcastService:
             for peer in self.host.connected_peers():
                 nursery.start_soon(self._query_one, peer, manifest_id, signer)
 
-    async def _query_one(self, peer: str, manifest_id: bytes, signer: str | None = None) -> None:
+    async def holds(self, peer: str, manifest_id: bytes) -> bool | None:
+        """Whether ``peer`` says it holds any shard of the manifest; None when it did not answer. One query: a
+        caller that would otherwise wait out stall_timeout_s for what its only source has released asks first."""
+        resp = await self._query_one(peer, manifest_id)
+        return None if resp is None else bool(resp.bitfield)
+
+    async def _query_one(self, peer: str, manifest_id: bytes, signer: str | None = None) -> ManifestResponse | None:
+        """Ask ``peer`` for the manifest and its bitfield, and remember what it said; its answer (None: none)."""
         cfg = self.config
         try:
             with trio.fail_after(cfg.stream_open_timeout_s + 2 * cfg.inactivity_s):
@@ -319,12 +350,12 @@ class ShardcastService:
                     await transfer.abort(stream)
                     raise
         except (TransportError, trio.TooSlowError):
-            return
+            return None
         except RemoteProtocolError as exc:
             self._reject(peer, "protocol", exc)
-            return
+            return None
         if resp is None:
-            return
+            return None
         try:
             if resp.sealed_manifest and not _signed_by(self._known.get(manifest_id), signer):
                 opened = open_manifest(resp.sealed_manifest, expected_id=manifest_id)
@@ -338,6 +369,8 @@ class ShardcastService:
                 self._record_holder(manifest_id, peer, bitfield_indices(resp.bitfield, n))
         except RemoteProtocolError as exc:
             self._reject(peer, "protocol", exc)
+            return None
+        return resp
 
     def _reject(self, peer: str, reason: str, exc: BaseException) -> None:
         log.info("shardcast: rejected %s from %s: %s", reason, peer, exc)
@@ -554,6 +587,8 @@ class ShardcastService:
                 await transfer.abort(stream)
                 return
             n = signed.manifest.num_shards if signed else 0
+            if held:
+                self._serving(req.manifest_id)
             try:
                 with trio.fail_after(self.config.inactivity_s):
                     await send_message(stream, ManifestResponse(
@@ -604,6 +639,7 @@ class ShardcastService:
             await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
             return
         sha = m.shard_hashes[req.index]
+        self._serving(req.manifest_id)
         stats = self._stats
         if seed is not None and seed.reason != "first":
             stats.seed_copies_again[seed.reason] = stats.seed_copies_again.get(seed.reason, 0) + 1
@@ -638,6 +674,7 @@ class ShardcastService:
         finally:
             stats.uploads_active -= 1
             self._upload_limiter.release()
+            self._serving(req.manifest_id)
             if seed is not None:
                 seed.end(req.index, started, trio.current_time(), ok=acked, peer=peer)
 
@@ -645,7 +682,7 @@ class ShardcastService:
 
     async def _gc(self) -> None:
         async with self._gc_lock:
-            protect = set(self._active_fetches)
+            protect = set(self._active_fetches) | self._releasing
             await trio.to_thread.run_sync(
                 lambda: self.store.gc(keep_manifests=self.config.keep_manifests, protect=protect))
         # Seeding bookkeeping only matters while the manifest is still stored.

@@ -41,17 +41,15 @@ PRODUCER_GONE_S = 1.0
 silent past the membership's suspect time): the slice would come only when a restarted process serves it, if it
 comes back at all, while the round waits on this aggregate."""
 GONE_POLL_S = 0.2
-KEEP_STATES = 2
-"""States kept for joiners at least: the newest, and the one before it that a joiner may be half-way through fetching."""
 SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out; the training checks tell which)",
             "opposed": "it points against the others' median",
             "outsized": "many times larger than the others (noise poured in)"}
 APPLIED_KEPT = 2
 """Rounds whose applied aggregates are kept in memory (node/tasks/checks.py KEEP_ROUNDS)."""
-STATE_RETENTION_DEADLINES = 2.0
-"""A superseded state is kept this many round deadlines more: a joiner's fetch of it (bounded by one round
-deadline) started while it was the newest must find it, however many short rounds the swarm runs meanwhile."""
+AGGREGATE_RETENTION_DEADLINES = 2.0
+"""A round's aggregates are kept this many round deadlines past their two rounds: a joiner whose fetch of the
+weights (bounded by one round deadline) outlasted a few short rounds follows those rounds with them."""
 
 
 class Exchange:
@@ -79,12 +77,12 @@ class Exchange:
         """Manifests of each round's update slices here (ours and fetched), released two rounds after it is applied."""
         self._aggregates: dict[int, set[bytes]] = {}
         """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
-        self.state_retention_s = STATE_RETENTION_DEADLINES * spec.round_deadline_s
+        self.aggregate_retention_s = AGGREGATE_RETENTION_DEADLINES * spec.round_deadline_s
         self._aggregates_done_at: dict[int, float] = {}
-        self._states: list[tuple[bytes, float]] = []
+        self._state: bytes | None = None
+        """The state this node serves (published or fetched here last; see _keep_state)."""
         self._applied: dict[int, list] = {}
         """The aggregates of the last rounds applied here (training checks measure against their mean)."""
-        """The states published or fetched here with the time each was kept, newest last (see _keep_state)."""
 
     # -- fetching with verification ------------------------------------------------------------
 
@@ -166,30 +164,28 @@ class Exchange:
         return _manifest_hex(m)
 
     async def _keep_state(self, mid: bytes) -> None:
-        """Keep ``mid`` as the newest state; release the ones past KEEP_STATES that were superseded more than
-        STATE_RETENTION_DEADLINES round deadlines ago."""
-        now = trio.current_time()
-        states = [(s, t) for s, t in self._states if s != mid] + [(mid, now)]
-        # states[i] was superseded when states[i + 1] was kept.
-        old = {s for i, (s, _) in enumerate(states[:-KEEP_STATES]) if now - states[i + 1][1] >= self.state_retention_s}
-        self._states = [(s, t) for s, t in states if s not in old]
-        if old:
-            await self.shardcast.release(sorted(old))
+        """Serve ``mid`` as our state from now on and release the one before: a state is 2x the model, and a
+        node keeps one. A peer half-way through fetching the old one still gets it (the store keeps a released
+        manifest while peers ask for it, ShardcastConfig.serving_grace_s); one that asks after is told we no
+        longer hold it (fetch_state), and takes the newer weights."""
+        old, self._state = self._state, mid
+        if old is not None and old != mid:
+            await self.shardcast.release([old])
 
     async def collect(self, applied_round: int) -> None:
         """Release what the rounds before ``applied_round`` needed: slices two rounds after they are applied (a slow
-        aggregator may still be fetching, a training check measuring), aggregates two rounds and state_retention_s
+        aggregator may still be fetching, a training check measuring), aggregates two rounds and aggregate_retention_s
         after (followers apply them)."""
         now = trio.current_time()
         # Slices outlive their round by one more: a training check of a round (node/tasks/checks.py), or a proof
         # against one of its updates, fetches whole updates after the round is applied.
         done = [r for r in self._slices if r < applied_round - 1]
-        # Aggregates also outlive their two rounds by state_retention_s: a joiner that synced a few short
+        # Aggregates also outlive their two rounds by aggregate_retention_s: a joiner that synced a few short
         # rounds behind follows them, and must find them.
         for r in self._aggregates:
             if r < applied_round - 1:
                 self._aggregates_done_at.setdefault(r, now)
-        done_aggregates = [r for r, t in self._aggregates_done_at.items() if now - t >= self.state_retention_s]
+        done_aggregates = [r for r, t in self._aggregates_done_at.items() if now - t >= self.aggregate_retention_s]
         for r in done_aggregates:
             del self._aggregates_done_at[r]
         ids = set().union(*(self._slices.pop(r) for r in done),
@@ -470,6 +466,11 @@ class Exchange:
         for source in sources:
             if not source.state_manifest or source.peer_id == self.me:
                 continue
+            if await self._released_by(source.peer_id, source.state_manifest):
+                # Replaced by newer weights before we asked: failing now (not after the store's stall timeout)
+                # lets the task machine take the newer ones at once.
+                log.info("weights from %s not fetched: it no longer holds them", source.peer_id)
+                continue
             try:
                 m, tensors = await self._fetch(source.state_manifest, source.peer_id, self.spec.round_deadline_s,
                                                verify=False)
@@ -486,6 +487,15 @@ class Exchange:
             except (TransportError, trio.TooSlowError) as exc:
                 log.info("weights from %s not fetched: %s", source.peer_id, str(exc) or "timed out")
         return None
+
+    async def _released_by(self, peer: str, manifest_hex: str) -> bool:
+        """Whether ``peer`` says it holds no shard of a manifest that this node does not hold whole either."""
+        mid = bytes.fromhex(manifest_hex)
+        store = self.shardcast.store
+        signed = store.get_manifest(mid)
+        if signed is not None and all(store.has_shard(h) for h in signed.manifest.shard_hashes):
+            return False
+        return await self.shardcast.holds(peer, mid) is False
 
     # -- the dataset -------------------------------------------------------------------------------
 

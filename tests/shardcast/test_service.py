@@ -312,3 +312,41 @@ async def test_a_copy_of_a_manifest_signed_by_another_is_not_taken_for_the_signe
     rx.service.config = ShardcastConfig(**{**FAST, "stall_timeout_s": 0.5})
     with trio.fail_after(10), pytest.raises(TimeoutError):
         await rx.service.fetch(mid, signer=Keypair.from_label("nobody").peer_id)
+
+
+async def test_a_manifest_released_while_a_peer_fetches_it_is_dropped_once_nobody_asks_for_it(swarm):
+    # A joiner half-way through weights their publisher has just replaced must still get them; once nobody has
+    # asked for them for serving_grace_s they go, and a peer that asks then is told at once.
+    grace = 1.0
+    pub = await swarm.add("pub", config=ShardcastConfig(**{**FAST, "serving_grace_s": grace}))
+    rx = await swarm.add("rx")
+    tensors = {"w": torch.randn(64 * 1024, generator=torch.Generator().manual_seed(1))}  # 16 shards
+    with trio.fail_after(20):
+        m = await pub.service.publish_tensors(tensors, label="state-1")
+        mid = manifest_id(m)
+        assert await rx.service.holds(pub.peer_id, mid) is True
+        async with trio.open_nursery() as nursery:
+            fetched = []
+
+            async def fetch():
+                fetched.append(await rx.service.fetch(mid, signer=pub.peer_id))
+
+            nursery.start_soon(fetch)
+            await wait_until(lambda: rx.service.statistics().bytes_fetched > 0)
+            await pub.service.release([mid])  # mid-fetch, or just after its last shard: within the grace either way
+            assert pub.store.get_manifest(mid) is not None and mid in pub.service.releasing()
+        assert torch.equal(rx.service.load_tensors(fetched[0])["w"], tensors["w"])
+        released_at = trio.current_time()
+        await wait_until(lambda: pub.store.get_manifest(mid) is None and pub.store.num_shards() == 0)
+        assert trio.current_time() - released_at <= 2 * grace and not pub.service.releasing()
+        late = await swarm.add("late")
+        assert await late.service.holds(pub.peer_id, mid) is False
+        assert await late.service.holds(rx.peer_id, mid) is True  # who fetched it serves it
+
+
+async def test_a_manifest_released_with_no_fetch_under_way_goes_at_once(swarm):
+    pub = await swarm.add("pub")
+    with trio.fail_after(20):
+        m = await pub.service.publish_tensors({"w": torch.zeros(5000)}, label="state-1")
+        await pub.service.release([manifest_id(m)])
+    assert pub.store.get_manifest(manifest_id(m)) is None and pub.store.num_shards() == 0

@@ -24,6 +24,6 @@ def test_bench_scale_reports_each_size_and_a_bounded_store(tmp_path):
     for figures in report["sizes"].values():
         assert figures["seconds_per_round"] > 0 and figures["bytes_written_per_param"] > 0
         assert set(figures["seconds"]) >= {"encode_publish", "aggregate", "apply", "hashing", "checkpoint"}
-    # Six rounds in, the store holds the last rounds' slices and aggregates and two states (2x the model each),
-    # not six rounds of everything.
-    assert 0 < report["store_to_model_ratio"] <= 6.0, report
+    # Six rounds in, the store holds the last rounds' slices and aggregates and one state (2x the model: the one
+    # before went as it was replaced), not six rounds of everything (3.05 here at int4/int4; 5.1 with two states).
+    assert 0 < report["store_to_model_ratio"] <= 3.5, report

@@ -1,0 +1,59 @@
+"""A node serves one state: the one before goes once no peer fetches it, and a joiner that asks after is told at once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import trio
+
+from p2p.fake import FakeNetwork
+
+from node.shardcast import ShardcastConfig
+from node.tasks import compute
+from node.tasks.exchange import Exchange
+from node.tasks.runner import head_of
+from tests.shardcast.conftest import FAST, Swarm, wait_until
+from tests.tasks.conftest import tiny_spec
+
+TASK = "ab" * 32
+
+
+@pytest.fixture
+async def swarm(nursery, tmp_path):
+    yield Swarm(nursery, tmp_path, FakeNetwork())
+
+
+def exchange_of(node, spec, tmp_path) -> Exchange:
+    return Exchange(shardcast=node.service, spec=spec, task_id=TASK, directory=tmp_path / node.name,
+                    keypair=node.keypair, penalize=lambda peer, why: None, num_params=lambda: 0)
+
+
+def next_state(state: compute.OuterState) -> compute.OuterState:
+    return compute.OuterState(round=state.round + 1, weights={n: t + 1e-3 for n, t in state.weights.items()},
+                              outer=state.outer, work=state.work + 1)
+
+
+async def test_a_joiner_asking_for_replaced_weights_fails_at_once_and_takes_the_newer_ones(swarm, tmp_path):
+    # The store's stall timeout (FAST: 20 s) is what a fetch of released weights used to wait out, per source.
+    config = ShardcastConfig(**{**FAST, "serving_grace_s": 1.0})
+    spec = tiny_spec()
+    a, b = await swarm.add("a", config=config), await swarm.add("b", config=config)
+    member, joiner = exchange_of(a, spec, tmp_path), exchange_of(b, spec, tmp_path)
+    old = compute.new_state(spec)
+    new = next_state(old)
+    with trio.fail_after(30):
+        old_head = dataclasses.replace(head_of(old, a.peer_id),
+                                       state_manifest=await member.publish_state(old, "task/state0"))
+        new_head = dataclasses.replace(head_of(new, a.peer_id),
+                                       state_manifest=await member.publish_state(new, "task/state1"))
+        # Nobody was fetching the old state: it went as the new one was published.
+        await wait_until(lambda: a.store.get_manifest(bytes.fromhex(old_head.state_manifest)) is None)
+        assert a.store.manifest_ids() == [bytes.fromhex(new_head.state_manifest)]
+        started = trio.current_time()
+        assert await joiner.fetch_state(old_head, (old_head,), None) is None
+        assert trio.current_time() - started < 2.0
+        got = await joiner.fetch_state(new_head, (new_head,), None)
+    assert got is not None and got.weights_hash() == new.weights_hash() and got.state_hash() == new.state_hash()
+    assert all(torch.equal(got.weights[n], new.weights[n]) for n in new.weights)
