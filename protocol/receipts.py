@@ -81,13 +81,20 @@ def credits_for(chosen: Sequence[AggregateAnnounce],
     slices: dict[str, int] = {}
     samples: dict[str, int] = {}
     for a in chosen:
+        s = a.slice
         for p, mid in zip(a.included, a.inputs):
-            claimed = [u.samples for u in heard.get(p, ()) if a.slice < len(u.manifest_ids)
-                       and u.manifest_ids[a.slice] == mid]
-            if not claimed:
+            # The most any heard update of p with this slice claims (a loop, not a list: every node runs this for
+            # every member at every round's close).
+            most = None
+            for u in heard.get(p, ()):
+                ids = u.manifest_ids
+                if s < len(ids) and ids[s] == mid and (most is None or u.samples > most):
+                    most = u.samples
+            if most is None:
                 return None
             slices[p] = slices.get(p, 0) + 1
-            samples[p] = max(samples.get(p, 0), *claimed)
+            if most > samples.get(p, most - 1):
+                samples[p] = most
     return tuple(Credit(p, samples[p], slices[p]) for p in sorted(slices))
 
 

@@ -342,6 +342,8 @@ class RoundState:
     aggregates: dict[int, dict[str, AggregateAnnounce]] = field(default_factory=dict)
     weights: dict[str, WeightsAnnounce] = field(default_factory=dict)
     members: tuple[str, ...] = ()
+    member_set: frozenset[str] = frozenset()
+    """``members`` as a set (both set where the round collects)."""
     aggregators: dict[int, tuple[str, ...]] = field(default_factory=dict)
     collected_at: float | None = None
     chosen: tuple[AggregateAnnounce, ...] = ()
@@ -1145,14 +1147,18 @@ class TaskMachine:
         # Holders count as voters do: peers whose work went into the weights lately (a crowd of fresh identities
         # announcing one head buys nothing), everyone where this node has applied nothing lately.
         recent = self._recent_contributors(self.head.round)
-        groups: dict[tuple[str, str], list[Head]] = {}
+        groups: dict[tuple[str, str], list[WeightsAnnounce]] = {}
+        final = self.head.round - 1
         for p, w in self.latest.items():
-            if w.round + 1 == self.head.round and (not recent or p in recent) and self._usable(w, now):
-                groups.setdefault((w.weights_hash, w.state_hash), []).append(Head.of(w))
+            if w.round == final and (not recent or p in recent) and self._usable(w, now):
+                groups.setdefault((w.weights_hash, w.state_hash), []).append(w)
         mine = len(groups.get((self.head.weights_hash, self.head.state_hash), ())) + 1
-        most = min(groups.values(), key=lambda heads: (-len(heads), min(h.rank() for h in heads)), default=())
+        # Head.rank() of each announcement, without building the Heads of every group.
+        most = min(groups.values(), default=(),
+                   key=lambda ws: (-len(ws), min((-w.work, -(w.round + 1), w.weights_hash) for w in ws)))
         if len(most) > mine:
-            self._held = (min(most, key=Head.rank), tuple(most))
+            heads = tuple(Head.of(w) for w in most)
+            self._held = (min(heads, key=Head.rank), heads)
         return self._held
 
     def _most_held(self, now: float) -> Head | None:
@@ -1373,7 +1379,8 @@ class TaskMachine:
         self.detail = ""
         rec.collected_at = now
         self._record_misses(rec, late)
-        rec.members = tuple(sorted(set(members) | set(rec.updates)))
+        rec.member_set = frozenset(members) | rec.updates.keys()
+        rec.members = tuple(sorted(rec.member_set))
         pool = [p for p in members if self.live(p, now)]
         # Aggregators are drawn from the members whose work went into the weights lately: new identities
         # that never contributed are not handed slices to aggregate (two of them agreeing on a lie would
@@ -1491,9 +1498,10 @@ class TaskMachine:
         # then left it out, and no aggregate still to come need account for it, even once it is back (a restarted
         # process), so the slice does not wait for one. An aggregator whose draw left the dead producer out would
         # otherwise wait for a co-aggregator that, by its own draw, has no slice to make, and that one for the other.
-        collected = {p for p in rec.updates if self.live(p, now) and not self._away_since(p, rec.started_at)}
+        collected = None
+        """Producers still counted (computed at most once a call, and only after the quiet window)."""
         heard = rec.heard_updates
-        eligible = set(rec.members)
+        eligible = rec.member_set
         banned = self.audit.banned
         chosen, complete, unknown = [], True, False
         charged: list[ScreenedOut] = []
@@ -1521,7 +1529,12 @@ class TaskMachine:
             # Aggregation and the screen are deterministic: one aggregate that decided on every update we hold
             # cannot be bettered, so after a heartbeat window (for updates of peers we did not count, which
             # other aggregators list) the slice need not wait for the other aggregators.
-            settled = collected <= best.accounted() and now >= rec.collected_at + self.quiet_after_s
+            settled = now >= rec.collected_at + self.quiet_after_s
+            if settled:
+                if collected is None:
+                    collected = {p for p in rec.updates
+                                 if self.live(p, now) and not self._away_since(p, rec.started_at)}
+                settled = collected <= best.accounted()
             waiting = not settled and any(a not in got and self._owes(a, rec, now) for a in expected)
             # An aggregate is applied as it is when we made it or two of the aggregators this round handed the
             # slice to vouch for it (the same inputs, the same result): any member may announce an aggregate,

@@ -1,4 +1,4 @@
-"""A node serves one state: the one before goes once no peer fetches it, and a joiner that asks after is told at once."""
+"""A node serves one state: the one before goes once no peer fetches it; a joiner that asks after is told at once."""
 
 from __future__ import annotations
 
