@@ -48,6 +48,9 @@ class ShardcastConfig:
     serving_grace_s: float = 10.0
     """A manifest released while peers fetch it stays until none has asked for it (its manifest or a shard) for
     this long: a joiner half-way through the weights the swarm just replaced must still find them."""
+    max_release_hold_s: float = 120.0
+    """...but no longer than this after its release (unless the caller names its own bound): a peer that keeps
+    asking must not keep every released manifest on our disk."""
     max_known_manifests: int = 64
     max_streams_per_peer: int = 32
     """Inbound manifest and shard streams one peer may hold open at once; more are reset and charged.

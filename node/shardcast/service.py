@@ -68,8 +68,9 @@ class ShardcastService:
         self._active_fetches: Counter[bytes] = Counter()
         self._served_at: dict[bytes, float] = {}
         """When a peer last asked for each manifest we hold (its manifest, or a shard of it)."""
-        self._releasing: set[bytes] = set()
-        """Released, and dropped once no fetch of them (ours or a peer's) is under way: see release()."""
+        self._releasing: dict[bytes, float] = {}
+        """Released, each with the time it goes by at the latest: dropped once no fetch of it (ours or a peer's) is
+        under way, or by then (see release())."""
         self._inflight_by_peer: Counter[str] = Counter()
         self._dirty: set[bytes] = set()
         self._announce_wakeup = trio.Event()
@@ -213,18 +214,21 @@ class ShardcastService:
             raise ValueError(f"manifest {manifest.label!r} holds a file, not tensors: use export_file")
         return blob_to_tensors(self._assemble(manifest, verify=verify), manifest.tensors)
 
-    async def release(self, manifest_ids) -> None:
+    async def release(self, manifest_ids, *, hold_s: float | None = None) -> None:
         """Drop these manifests and the shards only they referenced: now, or, while we fetch one or a peer has
-        asked for it within serving_grace_s, once that is over (_release_loop)."""
+        asked for it within serving_grace_s, once that is over (_release_loop), and ``hold_s`` (default
+        max_release_hold_s) after this call at the latest, however often peers ask."""
         now, grace = trio.current_time(), self.config.serving_grace_s
+        by = now + (self.config.max_release_hold_s if hold_s is None else hold_s)
         self._served_at = {m: t for m, t in self._served_at.items() if now - t < grace}
         async with self._gc_lock:
-            wanted = self._releasing | set(manifest_ids)
-            busy = {m for m in wanted if m in self._active_fetches or m in self._served_at}
-            self._releasing = busy
-            protect = set(self._active_fetches) | busy
+            wanted = {**{m: by for m in manifest_ids}, **self._releasing}
+            self._releasing = {m: t for m, t in wanted.items()
+                               if m in self._active_fetches or (m in self._served_at and now < t)}
+            protect = set(self._active_fetches) | self._releasing.keys()
+            drop = wanted.keys() - self._releasing.keys()
             await trio.to_thread.run_sync(lambda: self.store.gc(keep_manifests=self.config.keep_manifests,
-                                                                protect=protect, drop=wanted - busy))
+                                                                protect=protect, drop=drop))
         for mid in [m for m in self._seeds if self.store.get_manifest(m) is None]:
             del self._seeds[mid]
 
@@ -682,7 +686,7 @@ class ShardcastService:
 
     async def _gc(self) -> None:
         async with self._gc_lock:
-            protect = set(self._active_fetches) | self._releasing
+            protect = set(self._active_fetches) | self._releasing.keys()
             await trio.to_thread.run_sync(
                 lambda: self.store.gc(keep_manifests=self.config.keep_manifests, protect=protect))
         # Seeding bookkeeping only matters while the manifest is still stored.

@@ -170,7 +170,8 @@ class Exchange:
         longer hold it (fetch_state), and takes the newer weights."""
         old, self._state = self._state, mid
         if old is not None and old != mid:
-            await self.shardcast.release([old])
+            # Kept for a fetch under way no longer than a joiner's fetch may take (one round deadline), and one more.
+            await self.shardcast.release([old], hold_s=2 * self.spec.round_deadline_s)
 
     async def collect(self, applied_round: int) -> None:
         """Release what the rounds before ``applied_round`` needed: slices two rounds after they are applied (a slow

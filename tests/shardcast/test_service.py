@@ -350,3 +350,20 @@ async def test_a_manifest_released_with_no_fetch_under_way_goes_at_once(swarm):
         m = await pub.service.publish_tensors({"w": torch.zeros(5000)}, label="state-1")
         await pub.service.release([manifest_id(m)])
     assert pub.store.get_manifest(manifest_id(m)) is None and pub.store.num_shards() == 0
+
+
+async def test_a_peer_that_keeps_asking_for_a_released_manifest_cannot_keep_it_past_its_hold(swarm):
+    # Asking within every grace would otherwise keep each released manifest on the publisher's disk for good.
+    pub = await swarm.add("pub", config=ShardcastConfig(**{**FAST, "serving_grace_s": 1.0}))
+    rx = await swarm.add("rx")
+    with trio.fail_after(20):
+        m = await pub.service.publish_tensors({"w": torch.zeros(5000)}, label="state-1")
+        mid = manifest_id(m)
+        assert await rx.service.holds(pub.peer_id, mid) is True
+        released_at = trio.current_time()
+        await pub.service.release([mid], hold_s=2.0)
+        assert mid in pub.service.releasing()
+        while pub.store.get_manifest(mid) is not None:
+            await rx.service.holds(pub.peer_id, mid)
+            await trio.sleep(0.1)
+        assert 2.0 <= trio.current_time() - released_at <= 3.0
