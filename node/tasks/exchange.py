@@ -148,13 +148,17 @@ class Exchange:
     def holds_update(self, round_: int, manifest_ids) -> bool:
         """Whether the store still holds every shard of these slices (an update published before a restart);
         if so they are kept, and released, with the round's other slices."""
-        store = self.shardcast.store
         mids = [bytes.fromhex(i) for i in manifest_ids]
-        signed = [store.get_manifest(m) for m in mids]
-        if any(s is None or not all(store.has_shard(h) for h in s.manifest.shard_hashes) for s in signed):
+        if not all(self._held_whole(m) for m in mids):
             return False
         self._slices.setdefault(round_, set()).update(mids)
         return True
+
+    def _held_whole(self, mid: bytes) -> bool:
+        """Whether the store holds the manifest and every shard of it."""
+        store = self.shardcast.store
+        signed = store.get_manifest(mid)
+        return signed is not None and all(store.has_shard(h) for h in signed.manifest.shard_hashes)
 
     async def publish_state(self, state: compute.OuterState, label: str) -> str:
         """θ and the outer state for joiners and dissenters; the previous state published here is released
@@ -492,11 +496,7 @@ class Exchange:
     async def _released_by(self, peer: str, manifest_hex: str) -> bool:
         """Whether ``peer`` says it holds no shard of a manifest that this node does not hold whole either."""
         mid = bytes.fromhex(manifest_hex)
-        store = self.shardcast.store
-        signed = store.get_manifest(mid)
-        if signed is not None and all(store.has_shard(h) for h in signed.manifest.shard_hashes):
-            return False
-        return await self.shardcast.holds(peer, mid) is False
+        return not self._held_whole(mid) and await self.shardcast.holds(peer, mid) is False
 
     # -- the dataset -------------------------------------------------------------------------------
 
