@@ -327,6 +327,9 @@ class RoundState:
     """Per producer, its updates of this round (from its base) we heard, counted or too late to count:
     the updates an aggregate may list. Every node hears the same gossip, so every node ranks a
     slice's aggregates alike even where it closed collecting before a late joiner's update."""
+    lacking: dict[tuple, int] = field(default_factory=dict)
+    """Per aggregate key that lists a producer not heard here: how many producers were heard when it was found so
+    (heard updates only grow within a round: it stays uncheckable until that count moves)."""
     unverifiable: set[tuple] = field(default_factory=set)
     """Keys of aggregates that needed a recomputation but list a producer never heard (or banned): never applied."""
     redo: bool = False
@@ -346,6 +349,9 @@ class RoundState:
     """``members`` as a set (both set where the round collects)."""
     aggregators: dict[int, tuple[str, ...]] = field(default_factory=dict)
     collected_at: float | None = None
+    still_counted: tuple[tuple, set[str]] | None = None
+    """(liveness changes, updates, away changes) when _check_gather last found the producers still counted, and
+    them: updates only leave a round once it gathers, so equal counts mean the same producers."""
     chosen: tuple[AggregateAnnounce, ...] = ()
     applied_at: float | None = None
     mine: Head | None = None
@@ -407,8 +413,9 @@ class TaskMachine:
     _joined_zero: bool = False
     _blocked: dict[str, float] = field(default_factory=dict)
     _follow_after_sync: bool | None = True
-    _members_cache: dict[int, tuple[list[str], set[str], int, int]] = field(default_factory=dict)
-    """Per round: (members, as a set, the heartbeat and the liveness changes they were computed at)."""
+    _members_cache: dict = field(default_factory=dict)
+    """Per round: (members, as a set, the heartbeat and the liveness changes they were computed at); and per
+    ("prospective", round, ...): (_prospective's count, None, the same two)."""
     _started: bool = False
     _best: Head | None = None
     _best_dirty: bool = True
@@ -433,6 +440,8 @@ class TaskMachine:
     _joined_at: dict[str, float] = field(default_factory=dict)
     """Per peer, when its latest TaskJoin arrived: a join after a round collected is a new incarnation
     (a restart) or a re-sync, which owes that round neither an aggregate nor a vote."""
+    _away_changes: int = 0
+    """Writes to ``_gone_at`` and ``_joined_at`` so far: equal counts at two times mean _away_since() answers alike."""
     _join_base: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Per peer whose last word was a join: the weights it said it holds (TaskJoin.base_round, base_hash)."""
     _trained: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -603,11 +612,24 @@ class TaskMachine:
         last word puts them there, and those already seen training it from ``base`` (a restarted node
         hears their updates again before anyone re-announces weights)."""
         seen = self.rounds_seen.get(r)
+        # Kept as members() keeps its lists (cleared with them), for the round as it was seen: a paused node is
+        # asked on every message it hears, and counting anew each time made a 1,000-member swarm cubic.
+        key = ("prospective", r, base.weights_hash, self.current, id(seen), len(seen.updates) if seen else -1)
+        cached = self._members_cache.get(key)
+        if cached is not None:
+            if cached[2] == self._heartbeats:
+                return cached[0]
+            if cached[3] == self._live_changes(now):
+                self._members_cache[key] = (cached[0], None, self._heartbeats, cached[3])
+                return cached[0]
+        live_changes = self._live_changes(now)
         rec = RoundState(index=r, base=base, updates={} if seen is None else {
             p: u for p, u in seen.updates.items() if u.base_hash == base.weights_hash})
         peers = set(self.position) | set(rec.updates)
-        return 1 + sum(1 for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec)
-                       and p not in self.audit.banned)
+        count = 1 + sum(1 for p in peers if p != self.self_id and self.live(p, now) and self._on_history(p, rec)
+                        and p not in self.audit.banned)
+        self._members_cache[key] = (count, None, self._heartbeats, live_changes)
+        return count
 
     # -- the round window ------------------------------------------------------------------------
 
@@ -744,6 +766,7 @@ class TaskMachine:
                 self._zero_joins.discard(msg.peer_id)
         self._heard_now(msg.peer_id, now)
         self._joined_at[msg.peer_id] = now
+        self._away_changes += 1
         rec = self.rounds_seen.get(msg.round)
         if msg.round == self.current and rec is not None and rec.phase is Phase.COLLECTING \
                 and rec.my_update is not None:
@@ -776,9 +799,19 @@ class TaskMachine:
             self._trained[msg.producer] = (msg.round, msg.base_hash)
             cur = self.rounds_seen.get(self.current)
             if self.stage is Stage.RUNNING and cur is not None and cur.index < msg.round \
-                    and cur.phase in (Phase.GATHERING, Phase.VOTING):
+                    and self._may_owe(cur, msg.producer, now):
                 effects = self._advance(cur, now)  # it owes the current round no aggregate or vote (_owes)
         return effects + self._update(msg, now)
+
+    def _may_owe(self, rec: RoundState, peer: str, now: float) -> bool:
+        """Whether a later round's update from ``peer`` can move round ``rec`` on: an aggregate or vote it owed, or a
+        producer of the round heard again. The others' (a crowd's, in a 1,000-member round) leave it as it was."""
+        if rec.phase is Phase.GATHERING:
+            return any(peer in expected for expected in rec.aggregators.values()) \
+                or (peer in rec.updates and not self.live(peer, now))
+        if rec.phase is Phase.VOTING:
+            return peer not in rec.weights
+        return False
 
     def _update(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
@@ -843,6 +876,7 @@ class TaskMachine:
         """Only updates trained from ``base_hash`` are inputs an aggregate of this round may name."""
         heard = {p: [u for u in us if u.base_hash == base_hash] for p, us in rec.heard_updates.items()}
         rec.heard_updates = {p: us for p, us in heard.items() if us}
+        rec.lacking.clear()
 
     @staticmethod
     def _inputs_of(rec: RoundState, a: AggregateAnnounce) -> tuple[tuple[Input, ...], tuple] | None:
@@ -1074,6 +1108,7 @@ class TaskMachine:
         peer = ev.peer_id
         if peer != self.self_id and self.live(peer, now):
             self._gone_at[peer] = now
+            self._away_changes += 1
             self.heard[peer] = now - self.quiet_after_s
             self._own_changes += 1
             self._members_cache.clear()
@@ -1111,8 +1146,9 @@ class TaskMachine:
             return self._best_known(now)
         return self._best
 
-    def _better_head(self, now: float) -> tuple[Head, tuple[Head, ...]] | None:
-        """A live peer's weights this node should hold instead of its own, and every source of them."""
+    def _better_head(self, now: float) -> tuple[Head, tuple[Head, ...] | None] | None:
+        """A live peer's weights this node should hold instead of its own, and every source of them (None: every live
+        peer that announced them, found by _sources() only where the node fetches them)."""
         best = self._best_known(now) if self.head is not None else self._most_held(now)
         if best is None or (self.head is not None and (best.same_weights(self.head)
                                                         or best.rank() >= self.head.rank())):
@@ -1130,6 +1166,13 @@ class TaskMachine:
             # more work; or to a node's own outvoted weights, announced after it lost a vote the others
             # closed before its weights reached them, when only one other node is heard yet after a heal).
             return None
+        return best, None
+
+    def _sources(self, better: tuple[Head, tuple[Head, ...] | None], now: float) -> tuple[Head, tuple[Head, ...]]:
+        """_better_head()'s answer with its sources found."""
+        best, sources = better
+        if sources is not None:
+            return best, sources
         return best, tuple(Head.of(w) for w in self.latest.values()
                            if self._usable(w, now) and Head.of(w).same_weights(best))
 
@@ -1204,7 +1247,7 @@ class TaskMachine:
             # A joiner (still before the round it declared) keeps following; a member that paused,
             # finished or resumed its own checkpoint is counted at once where it can be.
             pending_join = self.head is None or self.head.round < self.produce_from
-            return self._sync(*better, reason, follow=pending_join)
+            return self._sync(*self._sources(better, now), reason, follow=pending_join)
         if self.head is None:
             return self._begin_fresh(now)
         if self.head.round >= self.rounds:
@@ -1346,7 +1389,8 @@ class TaskMachine:
         if not rec.producing and not stuck and self._can_follow(better[0]):
             return []  # a joiner catching up on the rounds it holds the messages of
         self._move(rec, "abandon")
-        return self._sync(*better, f"the swarm finished round {rec.index} without us", follow=not stuck)
+        return self._sync(*self._sources(better, now), f"the swarm finished round {rec.index} without us",
+                          follow=not stuck)
 
     # -- closing rules ---------------------------------------------------------------------------
 
@@ -1532,8 +1576,7 @@ class TaskMachine:
             settled = now >= rec.collected_at + self.quiet_after_s
             if settled:
                 if collected is None:
-                    collected = {p for p in rec.updates
-                                 if self.live(p, now) and not self._away_since(p, rec.started_at)}
+                    collected = self._still_counted(rec, now)
                 settled = collected <= best.accounted()
             waiting = not settled and any(a not in got and self._owes(a, rec, now) for a in expected)
             # An aggregate is applied as it is when we made it or two of the aggregators this round handed the
@@ -1551,17 +1594,23 @@ class TaskMachine:
             check = cached[3] or ((not confirmed and (not waiting or now >= overdue_s))
                                   or (rec.producing and self._spot(rec, s))) and not self._voted_past(rec, now)
             if check and best.aggregator != self.self_id and not self.audit.verdict(best.key())[0]:
-                inputs = self._inputs_of(rec, best)
                 complete = False
+                key = best.key()
+                if key in self.audit.asked:
+                    unverified.append(s)  # under way: its inputs are not built again on every message
+                    continue
+                inputs = None if rec.lacking.get(key) == len(heard) else self._inputs_of(rec, best)
                 if inputs is not None:
                     checks += self.audit.ask(best, *inputs)
-                elif rec.unknown_since is not None and now >= rec.unknown_since + self.quiet_after_s:
-                    # It lists a producer never heard (or banned), so it cannot be recomputed: the slice takes
-                    # the best aggregate that can be (or none, and the round fails), on the next pass.
-                    rec.unverifiable.add(best.key())
-                    if all(m.key() in rec.unverifiable for m in got.values()):
-                        continue
-                    rec.redo = True
+                else:
+                    rec.lacking[key] = len(heard)
+                    if rec.unknown_since is not None and now >= rec.unknown_since + self.quiet_after_s:
+                        # It lists a producer never heard (or banned), so it cannot be recomputed: the slice takes
+                        # the best aggregate that can be (or none, and the round fails), on the next pass.
+                        rec.unverifiable.add(key)
+                        if all(m.key() in rec.unverifiable for m in got.values()):
+                            continue
+                        rec.redo = True
                 unverified.append(s)
                 continue
             chosen.append(best)
@@ -1601,6 +1650,14 @@ class TaskMachine:
                      for c in chosen)
         best = self._best_known(now) if not rec.producing else None
         return [*overdue, Apply(rec.index, rec.chosen, same, behind=best is not None and best.round > rec.index + 1)]
+
+    def _still_counted(self, rec: RoundState, now: float) -> set[str]:
+        """The round's producers live now and not away since it started, kept while nothing they depend on moved."""
+        key = (self._live_changes(now), len(rec.updates), self._away_changes)
+        if rec.still_counted is None or rec.still_counted[0] != key:
+            rec.still_counted = (key, {p for p in rec.updates
+                                       if self.live(p, now) and not self._away_since(p, rec.started_at)})
+        return rec.still_counted[1]
 
     def _away_since(self, peer: str, t: float) -> bool:
         """Whether ``peer``'s connections all closed, or it joined again (a new process), after ``t``."""
