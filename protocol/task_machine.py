@@ -799,23 +799,19 @@ class TaskMachine:
             self._trained[msg.producer] = (msg.round, msg.base_hash)
             cur = self.rounds_seen.get(self.current)
             if self.stage is Stage.RUNNING and cur is not None and cur.index < msg.round \
-                    and self._may_owe(cur, msg.producer, now):
+                    and cur.phase in (Phase.GATHERING, Phase.VOTING):
                 effects = self._advance(cur, now)  # it owes the current round no aggregate or vote (_owes)
         return effects + self._update(msg, now)
 
-    def _may_owe(self, rec: RoundState, peer: str, now: float) -> bool:
-        """Whether a later round's update from ``peer`` can move round ``rec`` on: an aggregate or vote it owed, or a
-        producer of the round heard again. The others' (a crowd's, in a 1,000-member round) leave it as it was."""
-        if rec.phase is Phase.GATHERING:
-            return any(peer in expected for expected in rec.aggregators.values()) \
-                or (peer in rec.updates and not self.live(peer, now))
-        if rec.phase is Phase.VOTING:
-            return peer not in rec.weights
-        return False
-
     def _update(self, msg: UpdateAnnounce, now: float) -> list[Effect]:
         rec = self._round(msg.round) if msg.task_id == self.task_id else None
+        liveness = self._own_changes
         self._heard_now(msg.producer, now)
+        if rec is not None and liveness == self._own_changes and msg in rec.heard_updates.get(msg.producer, ()):
+            # A copy of an update heard before (a round that waits sends its update again every quiet window, to
+            # every member): it says its producer is live, which it was, and nothing else. What time alone moves
+            # is decided at next_deadline().
+            return []
         if rec is not None and msg.producer != self.self_id and msg.producer not in self.audit.banned \
                 and any(u.base_hash == msg.base_hash and u != msg for u in rec.heard_updates.get(msg.producer, ())):
             return self._two_updates(rec, msg, now)
