@@ -983,11 +983,12 @@ class TaskMachine:
     def _on_WeightsAnnounce(self, msg: WeightsAnnounce, now: float) -> list[Effect]:
         if msg.task_id != self.task_id or msg.peer_id == self.self_id:
             return []
+        liveness = self._own_changes
         self._heard_now(msg.peer_id, now)
         old = self.latest.get(msg.peer_id)
         same = old is msg or (old is not None and old == msg)  # the same object: a simulation's broadcast
-        if same and self.stage is Stage.RUNNING:
-            return []  # a re-announcement: nothing new
+        if same and (self.stage is Stage.RUNNING or liveness == self._own_changes):
+            return []  # a re-announcement of a peer that was live: nothing new
         if old is None or msg.round >= old.round:
             self.latest[msg.peer_id] = msg
             best = self._best
