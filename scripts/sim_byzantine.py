@@ -37,7 +37,9 @@ def run(nodes: int, share: float, seed: int, spot_check: float) -> dict:
     agreed, why = True, ""
     try:
         churn(sim, names, rng=random.Random(seed), joins=max(1, nodes // 50), kills=nodes * 3 // 100,
-              restarts=max(1, nodes // 100), split_share=0.3)
+              restarts=max(1, nodes // 100), split_share=0.3,
+              progress=lambda stage: print(f"sim_byzantine: seed {seed}: {stage} (simulated {sim.now:.0f} s, "
+                                           f"CPU {time.process_time() - started:.0f} s)", file=sys.stderr, flush=True))
     except AssertionError as exc:
         agreed, why = False, str(exc)[:300]
     honest = [n for n in sim.machines if n not in forgers]

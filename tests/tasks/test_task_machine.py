@@ -323,9 +323,12 @@ def test_the_next_deadline_is_the_first_quiet_member():
     assert d is not None and d <= sim.now + QUIET_S + HEARTBEAT_S
 
 
-def churn(sim, names, *, rng, joins, kills, restarts, split_share):
-    """Joins, deaths and restarts mid-task, then a partition that heals; the task must finish agreeing."""
+def churn(sim, names, *, rng, joins, kills, restarts, split_share, progress=lambda stage: None):
+    """Joins, deaths and restarts mid-task, then a partition that heals; the task must finish agreeing.
+    ``progress`` is told each stage as it begins (a 1,000-member run takes minutes)."""
+    progress("the first 2 rounds")
     sim.run_until(lambda: sim.rounds_done(names[0]) >= 2, 60)
+    progress(f"joins: {joins}, deaths: {kills}; to round 5")
     for i in range(joins):
         sim.add(f"late-{i:03d}")
     sim.advance(0.2)
@@ -333,13 +336,16 @@ def churn(sim, names, *, rng, joins, kills, restarts, split_share):
     for v in victims:
         sim.kill(v)
     sim.run_until(lambda: sim.rounds_done(names[-1]) >= 5, 120)
+    progress(f"restarts: {restarts}; to round 7")
     for v in victims[:restarts]:
         sim.restart(v)
     sim.run_until(lambda: sim.rounds_done(names[-1]) >= 7, 120)
     alive = sim.alive()
     cut = set(rng.sample(alive, int(len(alive) * split_share)))
+    progress(f"a partition cutting off {len(cut)} nodes for 20 s")
     sim.split([n for n in alive if n not in cut], sorted(cut))
     sim.advance(20.0)
+    progress("the heal, to the last round")
     sim.heal()
     sim.run_until(sim.all_done, 300)
     # A node that finished on weights fewer nodes hold (a forger's history, taken while it was cut off) moves
