@@ -506,6 +506,24 @@ def test_an_update_lost_on_the_way_to_one_member_is_sent_again_within_a_quiet_wi
     assert not sim.disagreements() and len(final_hashes(sim)) == 1
 
 
+def test_a_copy_of_an_update_heard_before_moves_nothing_unless_its_producer_had_gone_quiet():
+    from protocol.task_machine import PeerGone
+    sim = Swarm(["a", "b", "c", "d"], rounds=6, min_members=3)
+    sim.run_until(lambda: sim.rounds_done("a") >= 2, 60)
+    sim.kill("d")  # a member that never publishes: the others keep collecting, and re-send their updates
+    m = sim.machines["a"]
+    sim.run_until(lambda: m.rounds_seen[m.current].phase is Phase.COLLECTING
+                  and "b" in m.rounds_seen[m.current].updates, 30, step_s=0.1)
+    rec = m.rounds_seen[m.current]
+    update = rec.updates["b"]
+    assert m.handle(dataclasses.replace(update), sim.now) == []  # a re-sent copy: b was live, nothing moved
+    assert rec.phase is Phase.COLLECTING and "b" in m.members(rec, sim.now)
+    m.handle(PeerGone(peer_id="b"), sim.now)  # b's connections closed: quiet from now
+    assert "b" not in m.members(rec, sim.now)
+    m.handle(dataclasses.replace(update), sim.now)  # the copy is b's word again: it is back
+    assert m.live("b", sim.now) and "b" in m.members(rec, sim.now)
+
+
 def test_a_node_stuck_below_min_members_after_the_others_finished_takes_their_weights_at_its_deadline():
     class Deaf(Swarm):
         """Gossip that never brings d the others' updates of round 2."""
