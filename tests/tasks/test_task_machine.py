@@ -11,7 +11,8 @@ import pytest
 from protocol.round import aggregators
 from protocol.task import TaskJoin, UpdateAnnounce, WeightsAnnounce
 from protocol.task_machine import (NEWCOMER_WAIT_SHARE, PHASES, STAGES, Aggregate, Apply, FetchState,
-                                   LocalTransitionError, Overdue, Phase, Publish, RoundClosed, Stage, TaskMachine)
+                                   LocalTransitionError, Overdue, PeerGone, Phase, Publish, RoundClosed, Stage,
+                                   TaskMachine)
 from tests.tasks.swarm_sim import DEADLINE_S, HEARTBEAT_S, INIT, QUIET_S, TASK, TRAIN_S, TRAIN_SHARE, Swarm, h
 
 
@@ -507,7 +508,6 @@ def test_an_update_lost_on_the_way_to_one_member_is_sent_again_within_a_quiet_wi
 
 
 def test_a_copy_of_an_update_heard_before_moves_nothing_unless_its_producer_had_gone_quiet():
-    from protocol.task_machine import PeerGone
     sim = Swarm(["a", "b", "c", "d"], rounds=6, min_members=3)
     sim.run_until(lambda: sim.rounds_done("a") >= 2, 60)
     sim.kill("d")  # a member that never publishes: the others keep collecting, and re-send their updates
