@@ -11,7 +11,9 @@ aggregators per slice), Exchange.apply of the aggregates, the hashes the node an
 the published state, and the store's GC as the node runs it. Reported per size: mean seconds per round and
 per phase, nanoseconds per parameter, bytes written per parameter (write() calls of this process,
 /proc/self/io), and the store's and the whole task directory's size over the model's fp32 bytes after the
-last round. ``machine`` gives this CPU's sha256 and copy speed, the floor under any per-byte figure.
+last round (a hard-linked file counted once), and beside the store's the state it serves from the memory it
+holds anyway (``store_in_memory_to_model_ratio``: never written). ``machine`` gives this CPU's sha256 and copy
+speed, the floor under any per-byte figure.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def _written_bytes() -> int:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the files under ``path``, a file with several names (a hard link) counted once."""
+    sizes = {(st.st_dev, st.st_ino): st.st_size for st in (p.stat() for p in path.rglob("*") if p.is_file())}
+    return sum(sizes.values())
 
 
 def _receive(store: ShardStore, payload: bytes, label: str, keypair: Keypair) -> str:
@@ -169,12 +173,14 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
             written += _written_bytes() - written_before
             assert len(bounds) == slices
         store_bytes = store.shard_bytes_on_disk() + _dir_bytes(store.manifest_dir)
+        in_memory_bytes = store.shard_bytes_in_memory()
         nursery.cancel_scope.cancel()
     model_bytes = 4 * num_params
     mean_s = sum(per_round_s) / rounds
     return {"seconds_per_round": round(mean_s, 3), "ns_per_param": round(1e9 * mean_s / num_params, 2),
             "bytes_written_per_param": round(written / rounds / num_params, 2),
             "store_to_model_ratio": round(store_bytes / model_bytes, 2),
+            "store_in_memory_to_model_ratio": round(in_memory_bytes / model_bytes, 2),
             "task_dir_to_model_ratio": round(_dir_bytes(task_dir) / model_bytes, 2),
             "critical_path_s": round(sum(critical_s) / rounds, 3),
             "rounds": rounds, "slowest_round_s": round(max(per_round_s), 3),

@@ -118,12 +118,14 @@ class ShardcastService:
     # publishing
 
     async def publish_tensors(self, tensors, *, label: str = "", version: int | None = None,
-                              durable: bool = True) -> Manifest:
-        """Store ``tensors`` (a dict of torch tensors) as shards, sign and announce their manifest."""
+                              durable: bool = True, in_memory: bool = False) -> Manifest:
+        """Store ``tensors`` (a dict of torch tensors) as shards, sign and announce their manifest. ``in_memory``:
+        serve the shards from the tensors' own memory, written nowhere (ShardStore.hold_in_memory); the caller
+        then never changes these tensors in place."""
         from node.shardcast.tensors import TensorParts  # torch only where tensors are used
         parts = await trio.to_thread.run_sync(TensorParts, tensors)
         return await self._publish_parts(parts.pieces, parts.total_bytes, parts.entries, label=label,
-                                         version=version, durable=durable)
+                                         version=version, durable=durable, keep=parts if in_memory else None)
 
     async def publish_blob(self, blob: bytearray, entries, *, label: str = "", version: int | None = None,
                            durable: bool = True) -> Manifest:
@@ -134,9 +136,10 @@ class ShardcastService:
                                          version=version, durable=durable)
 
     async def _publish_parts(self, pieces: Callable[[int, int], list], total_bytes: int, entries, *, label: str,
-                             version: int | None, durable: bool) -> Manifest:
+                             version: int | None, durable: bool, keep: object = None) -> Manifest:
         """A tensors manifest over bytes read as ``pieces(start, end)``: each shard hashed once (shards side by
-        side in threads), then written with that hash."""
+        side in threads), then written with that hash, or, with ``keep`` (what owns the memory the pieces view),
+        held in memory and the manifest not written either."""
         cfg = self.config
 
         def shard_hash(bounds: tuple[int, int]) -> bytes:
@@ -152,8 +155,11 @@ class ShardcastService:
             m = make_manifest(kind=KIND_TENSORS, label=label, version=self._version(version), total_bytes=total_bytes,
                               shard_bytes=cfg.shard_bytes, shard_hashes=hashes, tensors=tuple(entries))
             for bounds, sha in zip(ranges, hashes):
-                self.store.put_shard_pieces(pieces(*bounds), sha, durable=durable)
-            return self._sign_and_store(m)
+                if keep is not None:
+                    self.store.hold_in_memory(pieces(*bounds), sha, keep=keep)
+                else:
+                    self.store.put_shard_pieces(pieces(*bounds), sha, durable=durable)
+            return self._sign_and_store(m, persist=keep is None)
 
         return await self._publish(work)
 
@@ -180,9 +186,9 @@ class ShardcastService:
     def _version(self, version: int | None) -> int:
         return time.time_ns() // 1000 if version is None else version
 
-    def _sign_and_store(self, m: Manifest) -> SignedManifest:
+    def _sign_and_store(self, m: Manifest, *, persist: bool = True) -> SignedManifest:
         signed = seal_manifest(m, self.keypair)
-        self.store.put_manifest(signed)
+        self.store.put_manifest(signed, persist=persist)
         return signed
 
     async def _publish(self, work) -> Manifest:
@@ -656,7 +662,9 @@ class ShardcastService:
             stats.bytes_served_by_peer[peer] = stats.bytes_served_by_peer.get(peer, 0) + nbytes
 
         try:
-            result = await transfer.send_shard(stream, req, path=self.store.shard_path(sha), sha256=sha,
+            # A shard held in memory is sent from there; ``source`` keeps that memory alive for the whole send.
+            source = self.store.held_in_memory(sha) or self.store.shard_path(sha)
+            result = await transfer.send_shard(stream, req, source=source, sha256=sha,
                                                nbytes=m.shard_size(req.index), deadlines=cfg.upload_deadlines(),
                                                on_bytes=count)
             if result.disk_corrupt:

@@ -69,8 +69,25 @@ class ShardWriter:
         self._tmp.unlink(missing_ok=True)
 
 
+@dataclass(frozen=True, slots=True)
+class HeldShard:
+    """A shard served from memory (ShardStore.hold_in_memory): its bytes as consecutive pieces, and ``keep``, the
+    object that owns the memory they view. Whoever reads the pieces holds this, so the memory outlives the read
+    even if the store lets the shard go meanwhile."""
+
+    pieces: tuple
+    nbytes: int
+    keep: object = None
+
+    def copy_into(self, out: memoryview) -> None:
+        at = 0
+        for piece in self.pieces:
+            out[at:at + len(piece)] = piece
+            at += len(piece)
+
+
 class ShardStore:
-    """A data dir: ``shards/<aa>/<sha256 hex>``, ``manifests/<id hex>.sealed``, ``tmp/``.
+    """A data dir: ``shards/<aa>/<sha256 hex>``, ``manifests/<id hex>.sealed``, ``tmp/``, and shards held in memory.
 
     Blocking methods (open, put_*, read_shard, gc) belong in ``trio.to_thread.run_sync``.
     Recency of manifests is the file's mtime, refreshed each time it is stored again.
@@ -85,6 +102,9 @@ class ShardStore:
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._shards: dict[bytes, int] = {}
+        self._in_memory: dict[bytes, HeldShard] = {}
+        """Shards served from memory this process holds and never changes (hold_in_memory): never on disk, so
+        gone with the process, and their manifests are never written either."""
         self._manifests: dict[bytes, SignedManifest] = {}
         self._touched: dict[bytes, int] = {}
         """Per manifest, when it was last stored or refreshed (ns, the clock file mtimes use): its file's mtime
@@ -148,13 +168,28 @@ class ShardStore:
         return self.shard_dir / name[:2] / name
 
     def has_shard(self, sha256: bytes) -> bool:
-        return sha256 in self._shards
+        return sha256 in self._shards or sha256 in self._in_memory
 
     def shard_bytes_on_disk(self) -> int:
         return sum(self._shards.values())
 
+    def shard_bytes_in_memory(self) -> int:
+        return sum(h.nbytes for sha, h in list(self._in_memory.items()) if sha not in self._shards)
+
     def num_shards(self) -> int:
-        return len(self._shards)
+        return len(self._shards.keys() | self._in_memory.keys())
+
+    def hold_in_memory(self, pieces: list, sha256: bytes, *, keep: object) -> None:
+        """Serve the concatenated ``pieces`` as the shard ``sha256`` (which the caller just computed of them) from
+        memory, without writing them: for bytes this node holds anyway and never changes in place, such as the
+        state it publishes each round (a copy on disk would be one more model-sized write and file per round).
+        ``keep`` owns the memory the pieces view; the store holds it until the shard is collected."""
+        held = HeldShard(pieces=tuple(pieces), nbytes=sum(len(p) for p in pieces), keep=keep)
+        with self._lock:
+            self._in_memory.setdefault(sha256, held)
+
+    def held_in_memory(self, sha256: bytes) -> HeldShard | None:
+        return self._in_memory.get(sha256)
 
     def _install(self, tmp: Path, sha256: bytes, nbytes: int) -> None:
         path = self.shard_path(sha256)
@@ -211,6 +246,10 @@ class ShardStore:
 
     def read_shard_into(self, sha256: bytes, out: memoryview, *, verify: bool = True) -> None:
         """read_shard into ``out`` (exactly the shard's size), without an intermediate copy."""
+        held = self._in_memory.get(sha256)
+        if held is not None and held.nbytes == len(out):
+            held.copy_into(out)  # memory this process never changed since it hashed it: nothing to verify
+            return
         with open(self.shard_path(sha256), "rb") as f:
             got = f.readinto(out)
         if got != len(out) or (verify and hashlib.sha256(out).digest() != sha256):
@@ -219,6 +258,9 @@ class ShardStore:
 
     def read_shard(self, sha256: bytes, *, verify: bool = True) -> bytes:
         """The shard's bytes; IntegrityError (and the file dropped) if the disk no longer matches."""
+        held = self._in_memory.get(sha256)
+        if held is not None:
+            return b"".join(held.pieces)
         data = self.shard_path(sha256).read_bytes()
         if verify and hashlib.sha256(data).digest() != sha256:
             self.drop_shard(sha256)
@@ -228,20 +270,23 @@ class ShardStore:
     def drop_shard(self, sha256: bytes) -> None:
         with self._lock:
             self._shards.pop(sha256, None)
+            self._in_memory.pop(sha256, None)
             self.shard_path(sha256).unlink(missing_ok=True)
 
     # manifests
 
-    def put_manifest(self, signed: SignedManifest) -> None:
+    def put_manifest(self, signed: SignedManifest, *, persist: bool = True) -> None:
         """Store (or refresh the recency of) a verified manifest; another signer's copy of it (the same id and
-        shards) replaces the one held, on disk too."""
+        shards) replaces the one held, on disk too. ``persist=False``: in memory only, for a manifest of shards
+        held in memory (a restart finds neither)."""
         path = self.manifest_dir / f"{signed.manifest_id.hex()}.sealed"
         held = self._manifests.get(signed.manifest_id)
         now = time.time_ns()
-        if path.exists() and (held is None or held.signer == signed.signer):
-            os.utime(path, ns=(now, now))
-        else:
-            write_atomic(path, signed.sealed, tmp_dir=self.tmp_dir)
+        if persist:
+            if path.exists() and (held is None or held.signer == signed.signer):
+                os.utime(path, ns=(now, now))
+            else:
+                write_atomic(path, signed.sealed, tmp_dir=self.tmp_dir)
         with self._lock:
             self._touched[signed.manifest_id] = now  # first: a lock-free reader never sees a manifest untimed
             self._manifests[signed.manifest_id] = signed
@@ -264,7 +309,7 @@ class ShardStore:
         signed = self._manifests.get(manifest_id)
         if signed is None:
             return set()
-        return {i for i, h in enumerate(signed.manifest.shard_hashes) if h in self._shards}
+        return {i for i, h in enumerate(signed.manifest.shard_hashes) if self.has_shard(h)}
 
     def gc(self, *, keep_manifests: int, protect: set[bytes] = frozenset(),
            drop: set[bytes] = frozenset()) -> tuple[int, int]:
@@ -286,4 +331,7 @@ class ShardStore:
             for h in orphans:
                 self._shards.pop(h)
                 self.shard_path(h).unlink(missing_ok=True)
-        return len(doomed), len(orphans)
+            gone = [h for h in self._in_memory if h not in referenced]
+            for h in gone:
+                del self._in_memory[h]
+        return len(doomed), len(set(orphans) | set(gone))

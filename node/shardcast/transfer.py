@@ -19,7 +19,7 @@ from protocol.errors import (DecodeError, IntegrityError, OversizeError, RemoteP
                              TransferTimeout)
 from protocol.manifest import STATUS_OK, ShardAck, ShardHeader, ShardRequest
 
-from node.shardcast.store import ShardStore
+from node.shardcast.store import HeldShard, ShardStore
 
 SHARD_PROTOCOL = "/shoal/shard/1"
 CHUNK_BYTES = 1 << 20
@@ -249,9 +249,34 @@ class SendResult:
     """What we read from disk did not match its hash: the caller drops the shard."""
 
 
-async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: bytes, nbytes: int,
+def _chunks_of(source: Path | HeldShard, nbytes: int):
+    """The shard's bytes in chunks of at most CHUNK_BYTES, read from its file or its pieces in memory."""
+    if isinstance(source, HeldShard):
+        # Pieces are tensors' bytes, some tiny (a bias): gathered into whole chunks, not a write each.
+        chunk = bytearray()
+        for piece in source.pieces:
+            view = memoryview(piece)
+            while view:
+                take = min(len(view), CHUNK_BYTES - len(chunk))
+                chunk += view[:take]
+                view = view[take:]
+                if len(chunk) == CHUNK_BYTES:
+                    yield bytes(chunk)
+                    chunk = bytearray()
+        if chunk:
+            yield bytes(chunk)
+        return
+    with open(source, "rb") as f:
+        sent = 0
+        while sent < nbytes and (chunk := f.read(min(CHUNK_BYTES, nbytes - sent))):
+            sent += len(chunk)
+            yield chunk
+
+
+async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldShard, sha256: bytes, nbytes: int,
                      deadlines: Deadlines, on_bytes: Callable[[int], None] | None = None) -> SendResult:
-    """Serve one shard from ``path`` and wait for the receiver's ack before closing.
+    """Serve one shard from ``source`` (its file, or its pieces in memory) and wait for the receiver's ack before
+    closing.
 
     Raises TransferTimeout, StreamClosed or a RemoteProtocolError; the stream is reset then.
     """
@@ -260,15 +285,15 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
         with trio.fail_after(deadlines.overall_s(nbytes)):
             await _step(deadlines, send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index,
                                                                      status=STATUS_OK, nbytes=nbytes, sha256=sha256)))
-            with open(path, "rb") as f:
-                while sent < nbytes:
-                    chunk = f.read(min(CHUNK_BYTES, nbytes - sent))
-                    if not chunk:
-                        break
+            chunks = _chunks_of(source, nbytes)
+            try:
+                for chunk in chunks:
                     await _step(deadlines, stream.write(chunk))
                     sent += len(chunk)
                     if on_bytes is not None:
                         on_bytes(len(chunk))
+            finally:
+                chunks.close()  # its file, now rather than when the generator is collected
             await _step(deadlines, stream.close_write())
             ack = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardAck))
         if ack is None:
@@ -281,10 +306,10 @@ async def send_shard(stream: Stream, req: ShardRequest, *, path: Path, sha256: b
             except StreamClosed:
                 pass
         corrupt = sent != nbytes
-        if not ack.ok and not corrupt:
+        if not ack.ok and not corrupt and not isinstance(source, HeldShard):
             # Hashing every shard while sending would cost the sender a fifth of its CPU; the store
             # verified it when loading, so only a receiver's complaint makes us look at the disk again.
-            corrupt = (await trio.to_thread.run_sync(ShardStore.hash_file, path))[0] != sha256
+            corrupt = (await trio.to_thread.run_sync(ShardStore.hash_file, source))[0] != sha256
         return SendResult(ok=ack.ok, bytes_sent=sent, disk_corrupt=corrupt)
     except trio.TooSlowError:
         await abort(stream)

@@ -344,6 +344,30 @@ async def test_a_manifest_released_while_a_peer_fetches_it_is_dropped_once_nobod
         assert await late.service.holds(rx.peer_id, mid) is True  # who fetched it serves it
 
 
+async def test_tensors_published_in_memory_are_fetched_whole_and_leave_nothing_on_disk(swarm):
+    # A node's state each round: served from the tensors' own memory, which the store keeps alive while it
+    # serves them, even once the publisher has dropped its own references; released, nothing of it is left.
+    pub = await swarm.add("pub")
+    rx = await swarm.add("rx")
+    tensors = {"w": torch.randn(64 * 1024, generator=torch.Generator().manual_seed(2)), "b": torch.arange(9.0)}
+    expected = {name: t.clone() for name, t in tensors.items()}
+    with trio.fail_after(20):
+        await _mesh_ready([pub, rx])
+        m = await pub.service.publish_tensors(tensors, label="state-1", in_memory=True)
+        del tensors
+        mid = manifest_id(m)
+        assert pub.store.shard_bytes_on_disk() == 0 and pub.store.shard_bytes_in_memory() == m.total_bytes
+        assert not any(pub.store.shard_dir.rglob("*")) and not any(pub.store.manifest_dir.iterdir())
+        got = await rx.service.fetch(mid, signer=pub.peer_id)
+    loaded = rx.service.load_tensors(got)
+    assert all(torch.equal(loaded[name], t) for name, t in expected.items())
+    assert pub.service.statistics().shards_served == m.num_shards
+    assert torch.equal(pub.service.load_tensors(m)["w"], expected["w"])
+    with trio.fail_after(20):
+        await pub.service.release([mid], hold_s=0.0)
+    assert pub.store.get_manifest(mid) is None and pub.store.num_shards() == 0
+
+
 async def test_a_manifest_released_with_no_fetch_under_way_goes_at_once(swarm):
     pub = await swarm.add("pub")
     with trio.fail_after(20):

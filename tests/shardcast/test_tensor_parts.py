@@ -56,3 +56,25 @@ def test_gc_drop_releases_a_manifest_and_only_its_own_shards(tmp_path):
     assert store.num_shards() == 2
     # A protected manifest (a fetch under way) is never dropped.
     assert store.gc(keep_manifests=256, drop={made[1].manifest_id}, protect={made[1].manifest_id}) == (0, 0)
+
+
+def test_shards_held_in_memory_are_served_and_collected_but_never_written(tmp_path):
+    store = ShardStore.open(tmp_path)
+    parts = TensorParts({"w": torch.randn(700), "i": torch.arange(5, dtype=torch.int8)})
+    blob, _ = tensors_to_blob({"w": parts._keep[0], "i": parts._keep[1]})
+    m = build_manifest(blob, shard_bytes=1024, kind=KIND_TENSORS, tensors=parts.entries)
+    for i, sha in enumerate(m.shard_hashes):
+        store.hold_in_memory(parts.pieces(*m.shard_range(i)), sha, keep=parts)
+    signed = seal_manifest(m, Keypair.from_label("memory"))
+    store.put_manifest(signed, persist=False)
+    del parts  # the store keeps the tensors it serves alive
+    assert b"".join(store.read_shard(h) for h in m.shard_hashes) == bytes(blob)
+    out = bytearray(m.shard_size(1))
+    store.read_shard_into(m.shard_hashes[1], memoryview(out))
+    assert bytes(out) == bytes(blob[slice(*m.shard_range(1))])
+    assert store.held_indices(signed.manifest_id) == set(range(m.num_shards))
+    assert store.shard_bytes_on_disk() == 0 and store.shard_bytes_in_memory() == len(blob)
+    assert not any((tmp_path / "shards").rglob("*")) and not any((tmp_path / "manifests").iterdir())
+    assert ShardStore.open(tmp_path).num_shards() == 0  # a restart finds nothing of it
+    assert store.gc(keep_manifests=256, drop={signed.manifest_id}) == (1, m.num_shards)
+    assert store.num_shards() == 0 and not store.has_shard(m.shard_hashes[0])

@@ -16,7 +16,7 @@ from protocol.keys import Keypair
 from protocol.manifest import STATUS_BUSY, STATUS_OK, ShardHeader
 
 from node.shardcast import transfer
-from node.shardcast.store import ShardStore
+from node.shardcast.store import HeldShard, ShardStore
 
 MID = hashlib.sha256(b"manifest").digest()
 DATA = os.urandom(300 * 1024)  # larger than the fake's 256 KiB stream buffer
@@ -66,7 +66,7 @@ async def test_shard_round_trip_waits_for_the_ack(pair, tmp_path):
     a, b = pair
     src = tmp_path / "src.bin"
     src.write_bytes(DATA)
-    sent = _serve_with(b, lambda s, r: transfer.send_shard(s, r, path=src, sha256=SHA, nbytes=len(DATA),
+    sent = _serve_with(b, lambda s, r: transfer.send_shard(s, r, source=src, sha256=SHA, nbytes=len(DATA),
                                                           deadlines=FAST))
     store = ShardStore.open(tmp_path / "store")
     with trio.fail_after(10):
@@ -81,7 +81,7 @@ async def test_a_shard_that_rotted_on_the_senders_disk_is_flagged_after_the_nack
     a, b = pair
     src = tmp_path / "src.bin"
     src.write_bytes(b"\xff" + DATA[1:])  # corrupted after the store verified it
-    sent = _serve_with(b, lambda s, r: transfer.send_shard(s, r, path=src, sha256=SHA, nbytes=len(DATA),
+    sent = _serve_with(b, lambda s, r: transfer.send_shard(s, r, source=src, sha256=SHA, nbytes=len(DATA),
                                                           deadlines=FAST))
     store = ShardStore.open(tmp_path / "store")
     with trio.fail_after(10):
@@ -196,7 +196,7 @@ async def test_sender_gives_up_on_a_receiver_that_stops_reading(pair, tmp_path):
 
     async def serve(stream, req):
         try:
-            await transfer.send_shard(stream, req, path=src, sha256=SHA, nbytes=len(DATA), deadlines=FAST)
+            await transfer.send_shard(stream, req, source=src, sha256=SHA, nbytes=len(DATA), deadlines=FAST)
         except TransferTimeout as exc:
             errors.append(exc)
 
@@ -207,3 +207,12 @@ async def test_sender_gives_up_on_a_receiver_that_stops_reading(pair, tmp_path):
         while not errors:  # never read: the window fills and the sender's write stalls
             await trio.sleep(0.01)
     assert isinstance(errors[0], TransferTimeout)
+
+
+def test_a_shard_held_in_memory_goes_out_in_whole_chunks_whatever_its_pieces():
+    data = bytes(range(256)) * (3 * transfer.CHUNK_BYTES // 256 + 7)
+    cuts = [0, 5, 6, 4096, transfer.CHUNK_BYTES - 1, transfer.CHUNK_BYTES + 3, 2 * transfer.CHUNK_BYTES, len(data)]
+    held = HeldShard(pieces=tuple(memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])), nbytes=len(data))
+    chunks = list(transfer._chunks_of(held, len(data)))
+    assert b"".join(chunks) == data
+    assert [len(c) for c in chunks[:-1]] == [transfer.CHUNK_BYTES] * (len(chunks) - 1)
