@@ -41,6 +41,10 @@ PRODUCER_GONE_S = 1.0
 silent past the membership's suspect time): the slice would come only when a restarted process serves it, if it
 comes back at all, while the round waits on this aggregate."""
 GONE_POLL_S = 0.2
+STATE_ASK_SHARE = 0.25
+"""Before fetching weights from a source, it is asked whether it still holds them, for at most this share of the
+round deadline: one that cannot answer (its connection died with a partition and is not yet redialled) is
+passed over then, not waited on for the whole fetch deadline while other members hold the same weights."""
 SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out; the training checks tell which)",
             "opposed": "it points against the others' median",
@@ -472,10 +476,11 @@ class Exchange:
         for source in sources:
             if not source.state_manifest or source.peer_id == self.me:
                 continue
-            if await self._released_by(source.peer_id, source.state_manifest):
-                # Replaced by newer weights before we asked: failing now (not after the store's stall timeout)
-                # lets the task machine take the newer ones at once.
-                log.info("weights from %s not fetched: it no longer holds them", source.peer_id)
+            if (why := await self._not_serving(source.peer_id, source.state_manifest)) is not None:
+                # Replaced by newer weights before we asked, or out of reach (a connection that died with a
+                # partition and is not yet redialled): failing now, not after the round deadline, lets the task
+                # machine take another source or newer weights at once.
+                log.info("weights from %s not fetched: %s", source.peer_id, why)
                 continue
             try:
                 m, tensors = await self._fetch(source.state_manifest, source.peer_id, self.spec.round_deadline_s,
@@ -494,10 +499,16 @@ class Exchange:
                 log.info("weights from %s not fetched: %s", source.peer_id, str(exc) or "timed out")
         return None
 
-    async def _released_by(self, peer: str, manifest_hex: str) -> bool:
-        """Whether ``peer`` says it holds no shard of a manifest that this node does not hold whole either."""
+    async def _not_serving(self, peer: str, manifest_hex: str) -> str | None:
+        """Why ``peer`` will not serve a manifest this node does not hold whole (None: it may): it says it holds
+        no shard of it, or it does not answer the question at all."""
         mid = bytes.fromhex(manifest_hex)
-        return not self._held_whole(mid) and await self.shardcast.holds(peer, mid) is False
+        if self._held_whole(mid):
+            return None
+        holds = None
+        with trio.move_on_after(self.spec.round_deadline_s * STATE_ASK_SHARE):
+            holds = await self.shardcast.holds(peer, mid)
+        return None if holds else "it no longer holds them" if holds is False else "it does not answer"
 
     # -- the dataset -------------------------------------------------------------------------------
 

@@ -131,19 +131,22 @@ async def test_source_dies_mid_transfer_receivers_finish_from_each_other(swarm):
         m = await pub.service.publish_file(path)
         mid = manifest_id(m)
 
-        def covered():
+        incomplete = []
+
+        def kill_once_covered(_progress):
+            # Called as each verified shard lands, so the source dies the moment the last shard has its first
+            # copy: the receivers lacking that shard are still fetching, whatever the machine's load.
             held = set().union(*(r.store.held_indices(mid) for r in rxs))
-            return len(held) == m.num_shards
+            if len(held) == m.num_shards and not incomplete:
+                incomplete.extend(r for r in rxs if len(r.store.held_indices(mid)) < m.num_shards)
+                swarm.network.kill(pub.peer_id)
 
         async with trio.open_nursery() as n:
             for r in rxs:
                 async def go(r=r):
-                    results[r.name] = await r.service.fetch(mid)
+                    results[r.name] = await r.service.fetch(mid, progress=kill_once_covered)
                 n.start_soon(go)
-            await wait_until(covered)
-            incomplete = [r for r in rxs if len(r.store.held_indices(mid)) < m.num_shards]
-            swarm.network.kill(pub.peer_id)
-            await pub.stop()
+        await pub.stop()
     assert incomplete, "the source should die while receivers are still fetching"
     for r in rxs:
         out = swarm.tmp_path / f"{r.name}.bin"
