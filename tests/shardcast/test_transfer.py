@@ -216,3 +216,35 @@ def test_a_shard_held_in_memory_goes_out_in_whole_chunks_whatever_its_pieces():
     chunks = list(transfer._chunks_of(held, len(data)))
     assert b"".join(chunks) == data
     assert [len(c) for c in chunks[:-1]] == [transfer.CHUNK_BYTES] * (len(chunks) - 1)
+
+
+async def test_a_shard_held_in_memory_arrives_whole_after_the_store_let_it_go_mid_send(pair, tmp_path):
+    # The pieces are raw views of tensor memory; the send must keep that memory alive by itself, or a state
+    # released while a joiner fetches it would go out as whatever reused the freed memory.
+    import gc
+
+    import torch
+
+    from node.shardcast.tensors import TensorParts
+    a, b = pair
+    sender = ShardStore.open(tmp_path / "sender")
+    parts = TensorParts({"w": torch.frombuffer(bytearray(DATA), dtype=torch.uint8).clone()})
+    sender.hold_in_memory(parts.pieces(0, parts.total_bytes), SHA, keep=parts)
+    del parts
+
+    async def send(stream, req):
+        held = sender.held_in_memory(SHA)
+        sender.drop_shard(SHA)
+        gc.collect()
+        litter = [torch.full((len(DATA),), 7, dtype=torch.uint8) for _ in range(8)]  # would take the freed memory
+        result = await transfer.send_shard(stream, req, source=held, sha256=SHA, nbytes=len(DATA), deadlines=FAST)
+        del litter
+        return result
+
+    sent = _serve_with(b, send)
+    store = ShardStore.open(tmp_path / "store")
+    with trio.fail_after(10):
+        assert await _fetch(a, b, store) == STATUS_OK
+        while not sent:
+            await trio.sleep(0.005)
+    assert store.read_shard(SHA) == DATA and sent[0].ok and not sender.has_shard(SHA)
