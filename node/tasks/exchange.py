@@ -167,7 +167,8 @@ class Exchange:
     async def publish_state(self, state: compute.OuterState, label: str) -> str:
         """θ and the outer state for joiners and dissenters, served from the state's own memory (its tensors never
         change in place): no copy on disk, which would be 2x the model written each round and kept in the store.
-        The previous state published here is released; the checkpoint, not the store, is what survives a crash."""
+        The previous state published here is released; while a peer still fetches it, its tensors stay in memory
+        with it (two round deadlines at most). The checkpoint, not the store, is what survives a crash."""
         m = await self.shardcast.publish_tensors(state.state_tensors(), label=label, in_memory=True)
         await self._keep_state(manifest_id(m))
         return _manifest_hex(m)
