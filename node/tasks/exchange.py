@@ -28,7 +28,7 @@ from protocol.keys import Keypair
 from protocol.manifest import KIND_FILE, KIND_TENSORS, Manifest, layout_tensors, manifest_id
 from protocol.round import Head, round_work
 from protocol.task import DatasetOffer, TaskSpec, UpdateAnnounce
-from protocol.task_machine import Aggregate, Aggregated, Apply
+from protocol.task_machine import AHEAD_ROUNDS, Aggregate, Aggregated, Apply
 
 log = logging.getLogger("shoal.tasks")
 
@@ -53,7 +53,12 @@ APPLIED_KEPT = 2
 """Rounds whose applied aggregates are kept in memory (node/tasks/checks.py KEEP_ROUNDS)."""
 AGGREGATE_RETENTION_DEADLINES = 2.0
 """A round's aggregates are kept this many round deadlines past their two rounds: a joiner whose fetch of the
-weights (bounded by one round deadline) outlasted a few short rounds follows those rounds with them."""
+weights (bounded by one round deadline) outlasted a few short rounds follows those rounds with them. Never more
+than AGGREGATE_RETENTION_ROUNDS rounds back, though: a joiner further behind fetches the weights again."""
+AGGREGATE_RETENTION_ROUNDS = AHEAD_ROUNDS + 2
+"""Rounds of aggregates kept behind the one just applied, whatever the time: a joiner follows at most AHEAD_ROUNDS
+rounds (protocol/task_machine.py _can_follow), and the two more are margin. Short rounds under a long deadline kept
+every aggregate of a task's last two deadlines before (2.8x the model after the late-joiner process test)."""
 
 
 class Exchange:
@@ -186,7 +191,7 @@ class Exchange:
     async def collect(self, applied_round: int) -> None:
         """Release what the rounds before ``applied_round`` needed: slices two rounds after they are applied (a slow
         aggregator may still be fetching, a training check measuring), aggregates two rounds and aggregate_retention_s
-        after (followers apply them)."""
+        after (followers apply them), or once AGGREGATE_RETENTION_ROUNDS rounds behind if that comes first."""
         now = trio.current_time()
         # Slices outlive their round by one more: a training check of a round (node/tasks/checks.py), or a proof
         # against one of its updates, fetches whole updates after the round is applied.
@@ -196,7 +201,8 @@ class Exchange:
         for r in self._aggregates:
             if r < applied_round - 1:
                 self._aggregates_done_at.setdefault(r, now)
-        done_aggregates = [r for r, t in self._aggregates_done_at.items() if now - t >= self.aggregate_retention_s]
+        done_aggregates = [r for r, t in self._aggregates_done_at.items()
+                           if now - t >= self.aggregate_retention_s or r < applied_round - AGGREGATE_RETENTION_ROUNDS]
         for r in done_aggregates:
             del self._aggregates_done_at[r]
         ids = set().union(*(self._slices.pop(r) for r in done),

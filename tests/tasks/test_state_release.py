@@ -76,3 +76,28 @@ async def test_a_source_that_cannot_be_reached_is_passed_over_at_once_for_one_th
         got = await exchange_of(joiner_node, spec, tmp_path).fetch_state(heads[0], tuple(heads), None)
     assert trio.current_time() - started < 2.0
     assert got is not None and got.weights_hash() == state.weights_hash() and got.state_hash() == state.state_hash()
+
+
+async def test_aggregates_go_once_more_rounds_behind_than_a_joiner_would_follow_however_long_the_deadline(swarm,
+                                                                                                         tmp_path):
+    # Short rounds under a long deadline used to keep every aggregate of the last two deadlines.
+    from node.tasks.exchange import AGGREGATE_RETENTION_ROUNDS
+    from protocol.task_machine import AHEAD_ROUNDS
+    node = await swarm.add("a")
+    exchange = exchange_of(node, tiny_spec(), tmp_path)
+    assert exchange.aggregate_retention_s >= 40.0  # two deadlines of the spec: longer than this whole test
+    released = []
+
+    async def release(ids, **kwargs):
+        released.extend(ids)
+
+    node.service.release = release
+    with trio.fail_after(30):
+        for r in range(30):
+            exchange._aggregates.setdefault(r, set()).add(r.to_bytes(32, "big"))
+            await exchange.collect(r)
+            kept = sorted(exchange._aggregates)
+            # A joiner follows at most AHEAD_ROUNDS rounds: every aggregate it could need is still here.
+            assert kept[0] <= max(0, r - AHEAD_ROUNDS) and kept == list(range(kept[0], r + 1))
+            assert len(kept) <= AGGREGATE_RETENTION_ROUNDS + 1
+    assert sorted(int.from_bytes(i, "big") for i in released) == list(range(30 - len(kept)))
