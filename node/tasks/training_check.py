@@ -29,6 +29,11 @@ CHECK_MIN_STEPS = 12
 """Updates of fewer inner steps are not judged: a first step's momentum (carried from the last round) can move
 away from its batch, and from scratch a few honest updates of 1, 2 and 8 steps raised their own batches' loss
 (scripts/screen_margins.py); none of 12 steps or more did."""
+CHECK_MAX_STEPS = 50
+"""Nor are updates of more: the margin below was measured up to 50 steps (scripts/screen_margins.py). Past it the
+premise can fail for honest producers: in the netlab partition test (a 6 s time budget, hundreds of steps at AdamW
+lr 3e-3, the held-out loss swinging between rounds) honest updates raised their first batches' loss by up to 1.2
+nats, and two honest nodes were banned."""
 STRIKE_ROUNDS = 4
 """A producer found in two rounds less than this many apart is banned: an untrained producer is found round
 after round; an honest update that misfired once (never seen at 12 steps or more) costs one charge."""
@@ -78,8 +83,8 @@ def banned_at(rounds: list[int]) -> bool:
 
 
 def judged(steps: int) -> bool:
-    """Whether an update of ``steps`` inner steps is judged at all."""
-    return steps >= CHECK_MIN_STEPS
+    """Whether an update of ``steps`` inner steps is judged at all: within the steps its margin was measured at."""
+    return CHECK_MIN_STEPS <= steps <= CHECK_MAX_STEPS
 
 
 def own_advantage(config: ModelConfig, base: Named, delta_flat: torch.Tensor, reference_flat: torch.Tensor,

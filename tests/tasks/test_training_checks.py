@@ -198,3 +198,11 @@ async def test_a_false_training_proof_costs_its_sender_and_a_flood_of_them_is_me
         hashes = {x["weights_hash"] for n in nodes for x in runner(n, tid).agreement if x["round"] == spec.rounds - 1}
         assert len(hashes) == 1
         nursery.cancel_scope.cancel()
+
+
+def test_only_updates_within_the_steps_the_margin_was_measured_at_are_judged():
+    from node.tasks import training_check
+    assert not training_check.judged(training_check.CHECK_MIN_STEPS - 1)
+    assert training_check.judged(training_check.CHECK_MIN_STEPS) and training_check.judged(training_check.CHECK_MAX_STEPS)
+    # Hundreds of steps at a high rate made honest updates fail the check (the netlab partition test): not judged.
+    assert not training_check.judged(training_check.CHECK_MAX_STEPS + 1) and not training_check.judged(2000)
