@@ -25,11 +25,17 @@ def test_parts_are_the_blob_piece_by_piece():
                 assert b"".join(bytes(p) for p in parts.pieces(start, end)) == bytes(blob[start:end])
 
 
-def test_pieces_stored_under_their_hash_read_back_whole(tmp_path):
-    store = ShardStore.open(tmp_path)
+def _parts_blob_manifest():
+    """Two tensors as parts, the blob they stand for, and its manifest in 1 KiB shards."""
     parts = TensorParts({"w": torch.randn(700), "i": torch.arange(5, dtype=torch.int8)})
     blob, _ = tensors_to_blob({"w": parts._keep[0], "i": parts._keep[1]})
     m = build_manifest(blob, shard_bytes=1024, kind=KIND_TENSORS, tensors=parts.entries)
+    return parts, blob, m
+
+
+def test_pieces_stored_under_their_hash_read_back_whole(tmp_path):
+    store = ShardStore.open(tmp_path)
+    parts, blob, m = _parts_blob_manifest()
     for i, sha in enumerate(m.shard_hashes):
         store.put_shard_pieces(parts.pieces(*m.shard_range(i)), sha, durable=i % 2 == 0)
     assert b"".join(store.read_shard(h) for h in m.shard_hashes) == bytes(blob)
@@ -60,9 +66,7 @@ def test_gc_drop_releases_a_manifest_and_only_its_own_shards(tmp_path):
 
 def test_shards_held_in_memory_are_served_and_collected_but_never_written(tmp_path):
     store = ShardStore.open(tmp_path)
-    parts = TensorParts({"w": torch.randn(700), "i": torch.arange(5, dtype=torch.int8)})
-    blob, _ = tensors_to_blob({"w": parts._keep[0], "i": parts._keep[1]})
-    m = build_manifest(blob, shard_bytes=1024, kind=KIND_TENSORS, tensors=parts.entries)
+    parts, blob, m = _parts_blob_manifest()
     for i, sha in enumerate(m.shard_hashes):
         store.hold_in_memory(parts.pieces(*m.shard_range(i)), sha, keep=parts)
     signed = seal_manifest(m, Keypair.from_label("memory"))
