@@ -36,9 +36,10 @@ from protocol.task import TaskSpec, TrainingProof, UpdateAnnounce
 
 log = logging.getLogger("shoal.tasks")
 
-KEEP_ROUNDS = 2
-"""Rounds whose weights and sealed updates are kept for checks: the last applied and the one before, for a
-proof that arrives as the next round is applied."""
+KEEP_ROUNDS = 3
+"""Rounds whose weights, applied mean and sealed updates are kept for checks: the last applied and the two
+before. A check fetches the update before it measures, and on fast rounds it and the proof it sends can outlast
+two rounds; a proof about an older round is not followed."""
 MAX_FINDINGS = 32
 """Untrained updates remembered for operators (``shoal task show``)."""
 MAX_CHECKS_PER_ROUND = 64
@@ -47,13 +48,14 @@ MAX_CHECKS_PER_ROUND = 64
 
 class TrainingChecks:
     def __init__(self, *, spec: TaskSpec, task_id: str, me: str, fetch_update: Callable[[UpdateAnnounce], Awaitable],
-                 applied_mean: Callable[[int], object], penalize: Callable[[str, str], None],
+                 applied_mean: Callable[[int], Callable[[], object] | None], penalize: Callable[[str, str], None],
                  publish: Callable[[object], Awaitable[None]], corpus: Callable[[], Path | None], enabled: bool,
                  max_bytes: int):
         self.spec, self.tid, self.me = spec, task_id, me
         self.fetch_update, self.penalize, self.publish, self.corpus = fetch_update, penalize, publish, corpus
         self.applied_mean = applied_mean
-        """A round's mean update as applied here (Exchange.applied_mean): the reference a copy is told by."""
+        """A round's mean update as applied here, to decode (Exchange.applied_mean): the reference a copy is told
+        by."""
         self.enabled = enabled and spec.overlap == 0 and training_check.judged(spec.inner_steps)
         self.max_bytes = max_bytes
         self.model = compute.model_config(spec) if self.enabled else None
@@ -67,6 +69,9 @@ class TrainingChecks:
         self._found_in: dict[str, list[int]] = {}
         """Per producer, the rounds of its latest findings."""
         self._bases: OrderedDict[int, compute.OuterState] = OrderedDict()
+        self._means: OrderedDict[int, Callable[[], object] | None] = OrderedDict()
+        """Per kept round, its applied mean to decode (applied_mean), taken when the round is applied here and
+        kept as long as its weights: a check outlasts fast rounds (it fetches the update first)."""
         self._trained: OrderedDict[int, None] = OrderedDict()
         """The last rounds this node trained in: only a producer of the round judges its others."""
         self._sealed: OrderedDict[tuple[int, str], tuple[UpdateAnnounce, bytes]] = OrderedDict()
@@ -104,8 +109,9 @@ class TrainingChecks:
         (drawn among the contributors alike): the copy did not train on its own batches, the original did."""
         if not self.enabled or round_ not in self._trained:
             return
-        self._bases[round_] = base
+        self._bases[round_], self._means[round_] = base, self.applied_mean(round_)
         _trim(self._bases)
+        _trim(self._means)
         oldest = round_ - KEEP_ROUNDS + 1
         for table in (self._gains, self._sealed, self._unjudged):
             for old in [k for k in table if k[0] < oldest]:
@@ -139,9 +145,12 @@ class TrainingChecks:
         claim = (msg.producer, proof.accuser, original.producer if original is not None else None)
         log.info("task %s round %d: %s's proof against %s's update%s (%s)", self.tid[:12], msg.round, proof.accuser,
                  msg.producer, "" if original is None else f" as a copy of {original.producer}'s",
-                 "measured here" if msg.round in self._bases else "for a round not applied here yet")
+                 "measured here" if msg.round in self._bases else "for a round no longer kept here"
+                 if self._bases and msg.round < min(self._bases) else "for a round not applied here yet")
         if msg.round in self._bases:
             nursery.start_soon(self._check, msg.round, *claim)
+        elif self._bases and msg.round < min(self._bases):
+            self.counts["unjudged"] += 1
         elif self._trained and max(self._trained) <= msg.round <= max(self._trained) + 1 and \
                 len(self._pending.get(msg.round, ())) < MAX_CHECKS_PER_ROUND:
             # A proof about the round this node is still closing: measured once it is applied here.
@@ -171,6 +180,7 @@ class TrainingChecks:
         copies = self._copies.get(round_, ())
         others = [original] if original is not None else \
             [p for p in copies if p != producer] if producer in copies else []
+        held = self._sealed.get((round_, producer)), {p: self._sealed.get((round_, p)) for p in others}
         gains = await self._measured(round_, producer, others)
         if gains is None or producer not in gains or (original is not None and original not in gains):
             self.counts["unjudged"] += 1
@@ -180,6 +190,8 @@ class TrainingChecks:
             return
         own = gains[producer]
         if accuser is None:
+            # What the proof carries, as it was heard when the check began: a check can outlast the rounds kept.
+            update, origins = held
             copy_of = next((p for p in others if p in gains and training_check.copied(gains[p])), None)
             if not training_check.untrained(own) and copy_of is None:
                 self.counts["passed"] += 1
@@ -188,8 +200,7 @@ class TrainingChecks:
                 copy_of = None
             self.counts["untrained"] += 1
             self._found(round_, producer, own, by=self.me, copy_of=copy_of, advantage=gains.get(copy_of))
-            update = self._sealed.get((round_, producer))
-            origin = self._sealed.get((round_, copy_of)) if copy_of is not None else None
+            origin = origins.get(copy_of) if copy_of is not None else None
             if update is not None and (copy_of is None or origin is not None):
                 await self.publish(TrainingProof(
                     task_id=self.tid, accuser=self.me, update=update[1], gain=own,
@@ -277,7 +288,9 @@ class TrainingChecks:
                      else "no corpus here" if corpus is None else "too few steps, or no shards named" if own is None
                      else "trained from other weights than this node's")
             return None
-        batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None}
+        reference = self._means.get(round_) if any(o != producer for o in owners) else None
+        batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None
+                   and (o == producer or reference is not None)}
         self._unjudged.setdefault((round_, producer), set()).update(o for o in owners if o not in batches)
         log.debug("task %s round %d: fetching %s's update to check it", self.tid[:12], round_, producer)
         try:
@@ -289,7 +302,7 @@ class TrainingChecks:
         started = trio.current_time()
         try:
             measured = await trio.to_thread.run_sync(self._gains_on, base.weights, delta, corpus, round_, producer,
-                                                     own, batches)
+                                                     own, batches, reference)
         except (OSError, ValueError) as exc:
             # The corpus unreadable here, or an update of another shape than the weights: nothing to judge by.
             log.warning("task %s round %d: %s's update not checked: %s", self.tid[:12], round_, producer, exc)
@@ -299,7 +312,8 @@ class TrainingChecks:
         return {**gains, **measured}
 
     def _gains_on(self, base: Named, delta, corpus: Path, round_: int, producer: str, own: tuple[list[int], int],
-                  batches: dict[str, tuple[list[int], int]]) -> dict[str, float]:
+                  batches: dict[str, tuple[list[int], int]], reference: Callable[[], object] | None
+                  ) -> dict[str, float]:
         ranges, _ = split_ranges(corpus.stat().st_size, self.spec.dataset.num_shards)
         drawn = {}
         with open(corpus, "rb") as f:
@@ -312,8 +326,8 @@ class TrainingChecks:
                                                  drawn[producer][:training_check.CHECK_BATCHES])} \
             if producer in batches else {}
         others = [o for o in batches if o != producer]
-        reference = self.applied_mean(round_) if others else None
-        for other in others if reference is not None else ():
+        reference = reference() if others else None
+        for other in others:
             out[other] = training_check.own_advantage(self.model, base, delta, reference, drawn[producer],
                                                       drawn[other])
         return out

@@ -49,8 +49,9 @@ SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out; the training checks tell which)",
             "opposed": "it points against the others' median",
             "outsized": "many times larger than the others (noise poured in)"}
-APPLIED_KEPT = 2
-"""Rounds whose applied aggregates are kept in memory (node/tasks/checks.py KEEP_ROUNDS)."""
+APPLIED_KEPT = 1
+"""Rounds whose applied aggregates are kept here: the last. The training checks take the round's mean
+(applied_mean) when they are told it is applied, and keep it as long as they need it."""
 AGGREGATE_RETENTION_DEADLINES = 2.0
 """A round's aggregates are kept this many round deadlines past their two rounds: a joiner whose fetch of the
 weights (bounded by one round deadline) outlasted a few short rounds follows those rounds with them. Never more
@@ -87,6 +88,10 @@ class Exchange:
         self._aggregates: dict[int, set[bytes]] = {}
         """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
         self.aggregate_retention_s = AGGREGATE_RETENTION_DEADLINES * spec.round_deadline_s
+        self.slices_kept_rounds = 1
+        """Rounds a round's slices outlive it: one by default (a slow aggregator may still be fetching); as many as
+        the training checks keep rounds when they run (node/tasks/checks.py KEEP_ROUNDS), for a check or a proof
+        that fetches whole updates after their round is applied."""
         self._aggregates_done_at: dict[int, float] = {}
         self._state: bytes | None = None
         """The state this node serves (published or fetched here last; see _keep_state)."""
@@ -189,13 +194,12 @@ class Exchange:
             await self.shardcast.release([old], hold_s=2 * self.spec.round_deadline_s)
 
     async def collect(self, applied_round: int) -> None:
-        """Release what the rounds before ``applied_round`` needed: slices two rounds after they are applied (a slow
-        aggregator may still be fetching, a training check measuring), aggregates two rounds and aggregate_retention_s
-        after (followers apply them), or once AGGREGATE_RETENTION_ROUNDS rounds behind if that comes first."""
+        """Release what the rounds before ``applied_round`` needed: slices slices_kept_rounds rounds after they are
+        applied (a slow aggregator may still be fetching, a training check measuring), aggregates two rounds and
+        aggregate_retention_s after (followers apply them), or once AGGREGATE_RETENTION_ROUNDS rounds behind if that
+        comes first."""
         now = trio.current_time()
-        # Slices outlive their round by one more: a training check of a round (node/tasks/checks.py), or a proof
-        # against one of its updates, fetches whole updates after the round is applied.
-        done = [r for r in self._slices if r < applied_round - 1]
+        done = [r for r in self._slices if r < applied_round - self.slices_kept_rounds]
         # Aggregates also outlive their two rounds by aggregate_retention_s: a joiner that synced a few short
         # rounds behind follows them, and must find them.
         for r in self._aggregates:
@@ -438,14 +442,16 @@ class Exchange:
         await self.collect(job.round)
         return new
 
-    def applied_mean(self, round_: int) -> torch.Tensor | None:
-        """The mean update of round ``round_`` as this node applied it (its aggregates decoded, flat), while it is
-        one of the last APPLIED_KEPT applied here; None otherwise. In a thread: it decodes the whole model."""
+    def applied_mean(self, round_: int) -> Callable[[], torch.Tensor] | None:
+        """The mean update of round ``round_`` as this node applied it, while it is one of the last APPLIED_KEPT
+        applied here (None otherwise): a function that decodes it (the whole model, flat; call it in a thread).
+        It holds that round's aggregates itself, so a check that took it keeps its reference however many
+        rounds are applied before it runs."""
         payloads = self._applied.get(round_)
         if payloads is None:
             return None
         bounds = compute.slice_bounds(self.num_params(), len(payloads))
-        return torch.cat([compute.decode_slice(p, b - a, self.out) for p, (a, b) in zip(payloads, bounds)])
+        return lambda: torch.cat([compute.decode_slice(p, b - a, self.out) for p, (a, b) in zip(payloads, bounds)])
 
     async def fetch_initial(self, manifest_hex: str) -> dict:
         """The spec's initial weights: a tensors manifest, or a file manifest of a safetensors file.

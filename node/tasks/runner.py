@@ -22,7 +22,7 @@ import trio
 from safetensors import SafetensorError
 
 from node.tasks import compute, history, produced
-from node.tasks.checks import TrainingChecks, shards_of
+from node.tasks.checks import KEEP_ROUNDS as CHECKED_ROUNDS, TrainingChecks, shards_of
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
@@ -88,6 +88,8 @@ class TaskRunner:
                                      corpus=lambda: self.corpus_path, enabled=self.hf is None,
                                      max_bytes=MAX_TASK_MESSAGE_BYTES)
         """Whether other contributors' updates trained on their own data (tiny-lm tasks)."""
+        if self.checks.enabled:
+            self.exchange.slices_kept_rounds = CHECKED_ROUNDS - 1
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""

@@ -200,6 +200,48 @@ async def test_a_false_training_proof_costs_its_sender_and_a_flood_of_them_is_me
         nursery.cancel_scope.cancel()
 
 
+async def test_a_check_that_outlasts_two_rounds_still_tells_a_copy_by_its_original(network, tmp_path, monkeypatch):
+    # On a loaded machine a check of fast rounds fetches the update only after the node has applied two more
+    # rounds: the round's weights and applied mean it measures by must still be the check's.
+    spec = tiny_spec(rounds=6, min_members=3, inner_steps=12)
+    tid = task_id(spec)
+    fetch, measured_ = Exchange.fetch_update, TrainingChecks._measured
+    judged: list[tuple[int, list[str], list[str]]] = []
+
+    async def late(self, update):
+        with trio.move_on_after(3):  # the task's last rounds have no two more
+            while max(self._applied, default=-1) < update.round + 2:
+                await trio.sleep(0.02)
+        return await fetch(self, update)
+
+    async def measured(self, round_, producer, others):
+        gains = await measured_(self, round_, producer, others)
+        if producer == copier and others:
+            judged.append((round_, others, sorted(gains or ())))
+        return gains
+
+    monkeypatch.setattr(Exchange, "fetch_update", late)
+    monkeypatch.setattr(TrainingChecks, "_measured", measured)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        nodes = [await swarm.add(n) for n in "abcd"]
+        await swarm.connected()
+        copier = nodes[3].keypair.peer_id
+        _copier(monkeypatch, copier)
+        honest = nodes[:3]
+        await honest[0].tasks.publish(spec)
+        await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        await wait_until(lambda: not any(r.checks._running for r in (runner(n, tid) for n in honest)), timeout_s=60)
+        early = [j for j in judged if j[0] < spec.rounds - 2]
+        assert early, judged
+        # Each was measured against the original's batches, by the weights and mean of its own round.
+        assert all(set(others) <= set(gains) for _, others, gains in judged), judged
+        findings = [f for n in honest for f in runner(n, tid).checks.findings]
+        assert {f["producer"] for f in findings} == {copier} and all(f["copy_of"] for f in findings), findings
+        assert all(not n.membership.is_banned(m.keypair.peer_id) for n in honest for m in honest)
+        nursery.cancel_scope.cancel()
+
+
 def test_only_updates_within_the_steps_the_margin_was_measured_at_are_judged():
     from node.tasks import training_check
     assert not training_check.judged(training_check.CHECK_MIN_STEPS - 1)
