@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -17,12 +18,14 @@ from safetensors import SafetensorError
 
 from node.fsutil import fsync_dir, round_files, write_atomic
 from node.train.codecs import INT8, Codec
-from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, tensor_bytes
+from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantWriter, tensor_bytes
 from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
 from node.train.model import ModelConfig, init_model
 from protocol.errors import IntegrityError
 from protocol.manifest import Manifest
 from protocol.task import TaskSpec
+
+log = logging.getLogger("shoal.tasks")
 
 PAYLOAD = "int8"
 """The one tensor in a slice manifest: the int8 payload as raw uint8 bytes."""
@@ -75,17 +78,37 @@ def split_with_feedback(delta: Named, num_slices: int, codec: Codec,
     (another model) is ignored."""
     if residual is not None and {n: t.shape for n, t in residual.items()} != {n: t.shape for n, t in delta.items()}:
         residual = None
-    # Fresh tensors (the sum, or a float32 copy): each becomes its own next residual, in place, one slice at a time.
-    corrected = {n: delta[n].detach().to(torch.float32) + (residual[n] if residual else 0.0) for n in sorted(delta)}
-    payloads = split_update(corrected, num_slices, codec)
-    for data, (a, b) in zip(payloads, slice_bounds(sum(t.numel() for t in corrected.values()), num_slices)):
-        sent, at = codec.decode(data, b - a), 0
-        for t in corrected.values():
-            lo, hi = max(a, at), min(b, at + t.numel())
-            if lo < hi:
-                t.view(-1)[lo - at:hi - at].sub_(sent[lo - a:hi - a])
-            at += t.numel()
-    return payloads, corrected
+    names = sorted(delta)
+    sizes = [delta[n].numel() for n in names]
+    # One flat buffer, Δ + residual in sorted-name order: encoded slice by slice, and each run of it overwritten
+    # in place by what its encoding dropped, which is the next residual (views of it, by name).
+    flat, at = torch.empty(sum(sizes), dtype=torch.float32), 0
+    for name, n in zip(names, sizes):
+        d = delta[name].detach().reshape(-1)
+        if residual is not None:
+            torch.add(d.to(torch.float32), residual[name].reshape(-1).to(torch.float32), out=flat[at:at + n])
+        else:
+            flat[at:at + n].copy_(d)
+        at += n
+    payloads = []
+    step = CHUNK_BLOCKS * codec.block_size
+    for a, b in slice_bounds(flat.numel(), num_slices):
+        writer = codec.writer(b - a)
+        for lo in range(0, b - a, step):
+            run = flat[a + lo:min(b, a + lo + step)]
+            if isinstance(writer, QuantWriter):
+                writer.write(lo, run, residual=run)
+            else:
+                writer.write(lo, run)
+        if not isinstance(writer, QuantWriter):
+            # A writer that cannot say what it dropped (top-k): the slice decoded, as a reader would.
+            flat[a:b].sub_(codec.decode(writer.out, b - a))
+        payloads.append(writer.out)
+    out, at = {}, 0
+    for name, n in zip(names, sizes):
+        out[name] = flat[at:at + n].view(delta[name].shape)
+        at += n
+    return payloads, out
 
 
 RESIDUAL_PREFIX = "residual-r"
@@ -124,6 +147,7 @@ def inner_opt_paths(directory: Path, round_: int) -> tuple[Path | None, Path]:
 def load_residual(directory: Path, round_: int) -> Named | None:
     """The error-feedback residual left by the newest update before ``round_`` (work redone for a round starts
     from the same residual as the first attempt); older ones are deleted."""
+    wait_residual(directory)
     path = newest_before(directory, RESIDUAL_PREFIX, round_)
     if path is None:
         return None
@@ -133,8 +157,43 @@ def load_residual(directory: Path, round_: int) -> Named | None:
         return None  # a torn file: the feedback restarts from nothing, which costs only precision
 
 
-def save_residual(directory: Path, round_: int, residual: Named) -> None:
-    save_named(round_file(directory, RESIDUAL_PREFIX, round_), residual, durable=False)
+_residual_writes: dict[Path, threading.Thread] = {}
+
+
+def save_residual(directory: Path, round_: int, residual: Named, background: bool = False) -> None:
+    """Round ``round_``'s residual to disk (no fsync: a torn file reads as none); ``background``: in a thread,
+    after the one in flight for ``directory``, if any. The tensors must not change while it is written."""
+    directory = Path(directory)
+    wait_residual(directory)
+    path = round_file(directory, RESIDUAL_PREFIX, round_)
+
+    def write() -> None:
+        save_named(path, residual, durable=False)
+        # The one before stays: redoing this round after a restart starts from it.
+        for r, old in round_files(directory, RESIDUAL_PREFIX, ".safetensors"):
+            if r < round_ - 1:
+                old.unlink(missing_ok=True)
+    if not background:
+        write()
+        return
+
+    def write_logged() -> None:
+        try:
+            write()
+        except OSError as exc:  # a full disk: the next restart's first update goes without feedback
+            log.warning("residual of round %d not saved: %s", round_, exc)
+    thread = threading.Thread(target=write_logged, name=f"residual-r{round_}", daemon=True)
+    with _pending_lock:
+        _residual_writes[directory] = thread
+    thread.start()
+
+
+def wait_residual(directory: Path) -> None:
+    """Block until ``directory``'s residual in flight (if any) is written."""
+    with _pending_lock:
+        thread = _residual_writes.pop(Path(directory), None)
+    if thread is not None:
+        thread.join()
 
 
 def _feed(writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:

@@ -88,6 +88,8 @@ class Exchange:
         self._aggregates: dict[int, set[bytes]] = {}
         """Each round's aggregates (ours and fetched), kept a round longer still, for peers that follow behind."""
         self.aggregate_retention_s = AGGREGATE_RETENTION_DEADLINES * spec.round_deadline_s
+        self._residual: tuple[int, compute.Named] | None = None
+        """(round, the error-feedback residual its update left): what the next round's update adds."""
         self.slices_kept_rounds = 1
         """Rounds a round's slices outlive it: one by default (a slow aggregator may still be fetching); as many as
         the training checks keep rounds when they run (node/tasks/checks.py KEEP_ROUNDS), for a check or a proof
@@ -147,10 +149,15 @@ class Exchange:
         this node's last update is added to this one, and what it drops now is kept (on disk) for the next."""
         delta = await trio.to_thread.run_sync(load_named, delta_path)
         if self.codec.feedback:
-            residual = await trio.to_thread.run_sync(compute.load_residual, self.dir, round_)
+            # The last residual made here, from memory; after a restart, or to redo a round, from disk.
+            kept = self._residual
+            residual = kept[1] if kept is not None and kept[0] < round_ else \
+                await trio.to_thread.run_sync(compute.load_residual, self.dir, round_)
             payloads, residual = await trio.to_thread.run_sync(
                 compute.split_with_feedback, delta, self.spec.aggregation_shards, self.codec, residual)
-            await trio.to_thread.run_sync(compute.save_residual, self.dir, round_, residual)
+            self._residual = (round_, residual)
+            # On disk for a restart, written off the round's path (lost in a crash, it costs only precision).
+            await trio.to_thread.run_sync(compute.save_residual, self.dir, round_, residual, True)
         else:
             payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
         # Versioned by round, not by the clock: the same bytes published again are the same manifests.

@@ -159,32 +159,46 @@ class QuantWriter:
         self._q = torch.frombuffer(self.out, dtype=torch.int8, offset=split) if numel and bits == 8 else None
         self._packed = torch.frombuffer(self.out, dtype=torch.uint8, offset=split) if numel and bits < 8 else None
 
-    def write(self, lo: int, values: torch.Tensor) -> None:
-        """Values ``lo .. lo + len(values)``; ``lo`` starts a block, and only the last run may end mid-block."""
+    def write(self, lo: int, values: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """Values ``lo .. lo + len(values)``; ``lo`` starts a block, and only the last run may end mid-block.
+        ``residual`` (as long as ``values``, and may be ``values`` itself): receives values minus what a reader
+        decodes of them, the same bits as decoding the payload, without a second pass over it (error feedback)."""
         bs, n = self.block_size, values.numel()
         assert lo % bs == 0 and lo + n <= self.numel and (n % bs == 0 or lo + n == self.numel)
+        assert residual is None or residual.numel() == n
         if n == 0:
             return
         b0, full = lo // bs, n // bs
         if full:
             blocks = values[:full * bs].view(full, bs)
-            q = _quantize_blocks(blocks, self._scales[b0:b0 + full], self.limit)
+            scales = self._scales[b0:b0 + full]
+            q = _quantize_blocks(blocks, scales, self.limit)
             if self._q is not None:
                 self._q[lo:lo + full * bs].view(full, bs).copy_(q)
+                # As QuantPayload.decode reads it: an int8 made float (a -0.0 of q decodes as 0.0).
+                sent = self._q[lo:lo + full * bs].view(full, bs).to(torch.float32) if residual is not None else None
             else:
                 self._put(lo, q.view(-1).add_(self.limit).to(torch.uint8))  # stored offset by qmax, 0 .. 2 qmax
+                sent = q.sub_(self.limit) if residual is not None else None  # as decode does: u - qmax, exact
+            if sent is not None:
+                torch.sub(blocks, sent.mul_(scales[:, None]), out=residual[:full * bs].view(full, bs))
         rest = n - full * bs
         if rest:
             padded = torch.zeros(1, bs, dtype=torch.float32)
             padded[0, :rest] = values[full * bs:]
-            q = _quantize_blocks(padded, self._scales[b0 + full:b0 + full + 1], self.limit).view(-1)
+            scale = self._scales[b0 + full:b0 + full + 1]
+            q = _quantize_blocks(padded, scale, self.limit).view(-1)
             at = lo + full * bs
             if self._q is not None:
                 self._q[at:].copy_(q[:rest])
+                sent = self._q[at:].to(torch.float32)
             else:
                 u = torch.zeros(bs, dtype=torch.uint8)  # the padding past the last value stays zero bits
                 u[:rest] = q[:rest].add_(self.limit).to(torch.uint8)
                 self._put(at, u, count=rest)
+                sent = q[:rest].sub_(self.limit)
+            if residual is not None:
+                torch.sub(values[full * bs:], sent.mul_(scale), out=residual[full * bs:])
 
     def _put(self, lo: int, u: torch.Tensor, count: int | None = None) -> None:
         packed = _pack(u, self.bits)

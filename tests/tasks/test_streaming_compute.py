@@ -216,6 +216,24 @@ def test_a_top_k_slice_that_does_not_decode_is_left_out_and_its_producer_named()
         compute.decode_slice(bad, numel, topk)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "topk"])
+def test_the_residual_is_exactly_what_a_reader_does_not_decode(codec):
+    # The dense writers work the residual out as they encode, blocks crossing tensors and slices included; it must
+    # be the bits of decoding the payloads, or the feedback drifts from what peers actually received.
+    codec = CODECS[codec]
+    delta, carried = named(5, scale=1e-2), named(9, scale=1e-4)
+    delta[sorted(delta)[0]].view(-1)[:300] = 0.0  # whole zero blocks: scale 0
+    for residual in (None, carried):
+        payloads, left = compute.split_with_feedback(delta, 3, codec, residual)
+        corrected = flatten(delta)[0] + (flatten(residual)[0] if residual else 0.0)
+        sent = torch.cat([codec.decode(p, b - a) for p, (a, b) in
+                          zip(payloads, compute.slice_bounds(corrected.numel(), 3))])
+        assert payloads == compute.split_update({n: delta[n] + (residual[n] if residual else 0.0) for n in delta},
+                                                3, codec)
+        assert torch.equal(flatten(left)[0], corrected - sent)
+        assert {n: t.shape for n, t in left.items()} == {n: t.shape for n, t in delta.items()}
+
+
 def test_error_feedback_residuals_are_what_the_slices_dropped_and_a_redo_reuses_the_first_input(tmp_path):
     delta = named(3, scale=1e-2)
     int2 = CODECS["int2"]
