@@ -4,8 +4,13 @@ and the round-numbered files a task keeps."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
+
+_TEMP = re.compile(r"^\..+\.(?:tmp(\d+)|(\d+)\.\d+\.(?:tmp|link))$")
+"""The temporary names of write_atomic (``.NAME.PID.THREAD.tmp``), of diloco.save_named (``.NAME.tmpPID``) and of
+the checkpoint's hard links (``.NAME.PID.THREAD.link``)."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -41,3 +46,30 @@ def round_files(directory: Path, prefix: str, suffix: str) -> list[tuple[int, Pa
         except ValueError:
             continue
     return found
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Remove the temporary files that processes no longer alive left in ``directory`` and its subdirectories
+    (a write cut short by a kill: a whole model's size each, and never renamed); those of live processes, this one
+    included, stay. Returns what was removed."""
+    removed = []
+    for path in Path(directory).rglob(".*"):
+        match = _TEMP.match(path.name)
+        if match is None or not path.is_file():
+            continue
+        pid = int(match.group(1) or match.group(2))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

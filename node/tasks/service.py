@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import trio
 
 from node.control import HttpError, Request, Response
-from node.fsutil import write_atomic
+from node.fsutil import remove_stale_temps, write_atomic
 from node.tasks.cancel import Cancels
 from p2p.api import GossipMessage
 from protocol.envelope import open_sealed, seal
@@ -140,6 +140,8 @@ class TaskService:
         log.info("joining task %s (%s) from %s", tid[:12], spec.name, initiator)
         known = self._remember(tid, KnownTask(spec, initiator, sealed, "joined"))
         directory.mkdir(parents=True, exist_ok=True)
+        for stale in await trio.to_thread.run_sync(remove_stale_temps, directory):
+            log.info("task %s: removed %s, left by a write a killed process did not finish", tid[:12], stale.name)
         write_atomic(directory / "spec.sealed", sealed)
         from node.tasks.runner import TaskRunner  # torch is imported with it
         known.runner = TaskRunner(self.node, spec, tid, directory, self.options)
