@@ -40,18 +40,26 @@ def _stale(monkeypatch, peer_id: str) -> None:
     monkeypatch.setattr(Exchange, "publish_update", publish_update)
 
 
+async def _run_with_one_bad(nursery, tmp_path, network, spec, make_bad) -> tuple[list, str]:
+    """Four nodes run ``spec`` to the end, the fourth made bad by ``make_bad(its peer id)``: (the three honest nodes,
+    the bad one's peer id)."""
+    swarm = Swarm(nursery, tmp_path, network)
+    nodes = [await swarm.add(n) for n in "abcd"]
+    await swarm.connected()
+    bad = nodes[3].keypair.peer_id
+    make_bad(bad)
+    honest = nodes[:3]
+    await honest[0].tasks.publish(spec)
+    await wait_until(lambda: all(finished(n, task_id(spec)) for n in honest), timeout_s=180)
+    return honest, bad
+
+
 async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node(network, tmp_path, monkeypatch):
     spec = tiny_spec(rounds=6, min_members=3, inner_steps=12)
     tid = task_id(spec)
     async with trio.open_nursery() as nursery:
-        swarm = Swarm(nursery, tmp_path, network)
-        nodes = [await swarm.add(n) for n in "abcd"]
-        await swarm.connected()
-        stale = nodes[3].keypair.peer_id
-        _stale(monkeypatch, stale)
-        honest = nodes[:3]
-        await honest[0].tasks.publish(spec)
-        await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        honest, stale = await _run_with_one_bad(nursery, tmp_path, network, spec,
+                                                lambda peer: _stale(monkeypatch, peer))
         await wait_until(lambda: all(n.membership.is_banned(stale) for n in honest), timeout_s=60)
         checks = [runner(n, tid).checks for n in honest]
         status = [c.status() for c in checks]
@@ -116,14 +124,8 @@ async def test_a_copied_update_is_told_from_its_original_and_only_the_copier_is_
     spec = tiny_spec(rounds=6, min_members=3, inner_steps=12)
     tid = task_id(spec)
     async with trio.open_nursery() as nursery:
-        swarm = Swarm(nursery, tmp_path, network)
-        nodes = [await swarm.add(n) for n in "abcd"]
-        await swarm.connected()
-        copier = nodes[3].keypair.peer_id
-        _copier(monkeypatch, copier)
-        honest = nodes[:3]
-        await honest[0].tasks.publish(spec)
-        await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        honest, copier = await _run_with_one_bad(nursery, tmp_path, network, spec,
+                                                 lambda peer: _copier(monkeypatch, peer))
         # Each confirmation fetches the copier's slices first, which can outlast these fast rounds.
         await wait_until(lambda: all(n.membership.is_banned(copier) for n in honest), timeout_s=60)
         status = [runner(n, tid).checks.status() for n in honest]
@@ -207,6 +209,7 @@ async def test_a_check_that_outlasts_two_rounds_still_tells_a_copy_by_its_origin
     tid = task_id(spec)
     fetch, measured_ = Exchange.fetch_update, TrainingChecks._measured
     judged: list[tuple[int, list[str], list[str]]] = []
+    copiers: list[str] = []
 
     async def late(self, update):
         with trio.move_on_after(3):  # the task's last rounds have no two more
@@ -216,21 +219,15 @@ async def test_a_check_that_outlasts_two_rounds_still_tells_a_copy_by_its_origin
 
     async def measured(self, round_, producer, others):
         gains = await measured_(self, round_, producer, others)
-        if producer == copier and others:
+        if producer in copiers and others:
             judged.append((round_, others, sorted(gains or ())))
         return gains
 
     monkeypatch.setattr(Exchange, "fetch_update", late)
     monkeypatch.setattr(TrainingChecks, "_measured", measured)
     async with trio.open_nursery() as nursery:
-        swarm = Swarm(nursery, tmp_path, network)
-        nodes = [await swarm.add(n) for n in "abcd"]
-        await swarm.connected()
-        copier = nodes[3].keypair.peer_id
-        _copier(monkeypatch, copier)
-        honest = nodes[:3]
-        await honest[0].tasks.publish(spec)
-        await wait_until(lambda: all(finished(n, tid) for n in honest), timeout_s=180)
+        honest, copier = await _run_with_one_bad(nursery, tmp_path, network, spec,
+                                                 lambda peer: (copiers.append(peer), _copier(monkeypatch, peer)))
         await wait_until(lambda: not any(r.checks._running for r in (runner(n, tid) for n in honest)), timeout_s=60)
         early = [j for j in judged if j[0] < spec.rounds - 2]
         assert early, judged
