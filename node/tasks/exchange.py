@@ -146,7 +146,8 @@ class Exchange:
     async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
         """The trainer's Δ for ``round_``, encoded slice by slice at the task's compression and published: one
         manifest id per slice. With a codec that keeps feedback (below 8 bits, top-k): what it dropped from
-        this node's last update is added to this one, and what it drops now is kept (on disk) for the next."""
+        this node's last update is added to this one, and what it drops now is kept for the next (in memory, and
+        on disk for a restart)."""
         delta = await trio.to_thread.run_sync(load_named, delta_path)
         if self.codec.feedback:
             # The last residual made here, from memory; after a restart, or to redo a round, from disk.
