@@ -39,14 +39,22 @@ class ShardWriter:
         self.received_bytes = 0
         self._hash = hashlib.sha256()
         self._tmp = store.tmp_dir / f"{sha256.hex()}.{id(self):x}.part"
-        self._file = open(self._tmp, "wb")
+        self._file = None
+        """Opened by the first write (blocking: in the caller's worker thread, not on the event loop)."""
 
     def write(self, chunk: bytes | bytearray | memoryview) -> None:
-        if self.received_bytes + len(chunk) > self.nbytes:
+        self.write_all((chunk,))
+
+    def write_all(self, chunks) -> None:
+        """Several chunks in order, as write() each (the receiver hands over what it read, uncopied)."""
+        if self.received_bytes + sum(len(c) for c in chunks) > self.nbytes:
             raise IntegrityError(f"shard longer than the promised {self.nbytes} bytes")
-        self._hash.update(chunk)
-        self._file.write(chunk)
-        self.received_bytes += len(chunk)
+        if self._file is None:
+            self._file = open(self._tmp, "wb")
+        for chunk in chunks:
+            self._hash.update(chunk)
+            self._file.write(chunk)
+            self.received_bytes += len(chunk)
 
     def verify(self) -> None:
         """IntegrityError unless the bytes so far are exactly the promised shard."""
@@ -58,13 +66,15 @@ class ShardWriter:
     def commit(self) -> None:
         """Blocking (fsync): run it in a thread."""
         self.verify()
+        if self._file is None:
+            self._file = open(self._tmp, "wb")  # an empty shard
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         self._store._install(self._tmp, self.sha256, self.nbytes)
 
     def abort(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
 

@@ -127,7 +127,7 @@ async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadline
     that decrypts and demultiplexes the stream; the channel holds one batch, bounding memory.
     """
     failure: list[Exception] = []
-    send, receive = trio.open_memory_channel[bytearray](1)
+    send, receive = trio.open_memory_channel[list](1)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_write_batches, receive, writer, failure)
         async with send:
@@ -139,31 +139,34 @@ async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadline
         raise failure[0]
 
 
-async def _read_batches(stream: Stream, send: trio.MemorySendChannel[bytearray], nbytes: int,
+async def _read_batches(stream: Stream, send: trio.MemorySendChannel[list], nbytes: int,
                         deadlines: Deadlines, failure: list) -> None:
+    """The chunks as read, handed over uncopied in batches of about WRITE_BATCH_BYTES."""
     received = 0
-    batch = bytearray()
+    batch: list = []
+    batched = 0
     while received < nbytes and not failure:
         chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - received)))
         if not chunk:
             raise IntegrityError(f"shard ended after {received} of {nbytes} bytes")
-        batch += chunk
+        batch.append(chunk)
+        batched += len(chunk)
         received += len(chunk)
-        if len(batch) >= WRITE_BATCH_BYTES:
+        if batched >= WRITE_BATCH_BYTES:
             await send.send(batch)
-            batch = bytearray()
+            batch, batched = [], 0
     if batch and not failure:
         await send.send(batch)
 
 
-async def _write_batches(receive: trio.MemoryReceiveChannel[bytearray], writer, failure: list) -> None:
+async def _write_batches(receive: trio.MemoryReceiveChannel[list], writer, failure: list) -> None:
     # Errors are handed back, not raised, so the caller sees OSError itself rather than an exception group.
     async with receive:
         async for batch in receive:
             if failure:
                 continue
             try:
-                await trio.to_thread.run_sync(writer.write, batch)
+                await trio.to_thread.run_sync(writer.write_all, batch)
             except OSError as exc:
                 failure.append(exc)
 

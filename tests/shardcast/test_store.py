@@ -48,9 +48,14 @@ def test_writer_rejects_wrong_bytes_and_leaves_nothing(tmp_path):
     assert not store.has_shard(sha) and not store.shard_path(sha).exists()
     w = store.shard_writer(sha, len(good))
     w.write(good[:1000])
-    w.write(good[1000:])
+    w.write_all([good[1000:1500], memoryview(good)[1500:]])
     w.commit()
     assert store.has_shard(sha) and store.read_shard(sha) == good
+    # A writer that never got a byte: nothing on disk to abort, and an empty shard commits.
+    store.shard_writer(sha, len(good)).abort()
+    empty = hashlib.sha256(b"").digest()
+    store.shard_writer(empty, 0).commit()
+    assert store.read_shard(empty) == b"" and list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_resume_reverifies_and_drops_corrupt_shards(tmp_path):
