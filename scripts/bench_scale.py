@@ -31,7 +31,7 @@ import torch
 import trio
 
 from node.shardcast import ShardcastConfig, ShardcastService, ShardStore
-from node.tasks import compute
+from node.tasks import compute, task_files
 from node.tasks.checks import KEEP_ROUNDS as CHECKED_ROUNDS
 from node.tasks.exchange import Exchange
 from node.tasks.service import MIN_KEEP_MANIFESTS
@@ -79,7 +79,7 @@ def _receive(store: ShardStore, payload: bytes, label: str, keypair: Keypair) ->
 
 def _checkpoint(directory: Path, state: compute.OuterState) -> None:
     """What the runner's _hold writes before it evaluates and announces (the rest follows in a thread)."""
-    compute.save_weights(directory, state)
+    task_files.save_weights(directory, state)
 
 
 class Phases:
@@ -169,7 +169,7 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
             phases.add("publish_state", t)
             critical_s.append(time.perf_counter() - started_round)
             t = time.perf_counter()
-            await trio.to_thread.run_sync(compute.wait_checkpoint, task_dir)
+            await trio.to_thread.run_sync(task_files.wait_checkpoint, task_dir)
             phases.add("checkpoint_rest", t)
             state = new
             per_round_s.append(time.perf_counter() - started_round)

@@ -49,12 +49,16 @@ class ShardWriter:
         """Several chunks in order, as write() each (the receiver hands over what it read, uncopied)."""
         if self.received_bytes + sum(len(c) for c in chunks) > self.nbytes:
             raise IntegrityError(f"shard longer than the promised {self.nbytes} bytes")
-        if self._file is None:
-            self._file = open(self._tmp, "wb")
+        file = self._opened()
         for chunk in chunks:
             self._hash.update(chunk)
-            self._file.write(chunk)
+            file.write(chunk)
             self.received_bytes += len(chunk)
+
+    def _opened(self):
+        if self._file is None:
+            self._file = open(self._tmp, "wb")
+        return self._file
 
     def verify(self) -> None:
         """IntegrityError unless the bytes so far are exactly the promised shard."""
@@ -66,11 +70,10 @@ class ShardWriter:
     def commit(self) -> None:
         """Blocking (fsync): run it in a thread."""
         self.verify()
-        if self._file is None:
-            self._file = open(self._tmp, "wb")  # an empty shard
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        file = self._opened()  # opened here if the shard is empty
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
         self._store._install(self._tmp, self.sha256, self.nbytes)
 
     def abort(self) -> None:

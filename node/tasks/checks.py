@@ -68,10 +68,10 @@ class TrainingChecks:
         """Untrained updates found or confirmed here, per producer, this task."""
         self._found_in: dict[str, list[int]] = {}
         """Per producer, the rounds of its latest findings."""
-        self._bases: OrderedDict[int, compute.OuterState] = OrderedDict()
-        self._means: OrderedDict[int, Callable[[], object] | None] = OrderedDict()
-        """Per kept round, its applied mean to decode (applied_mean), taken when the round is applied here and
-        kept as long as its weights: a check outlasts fast rounds (it fetches the update first)."""
+        self._bases: OrderedDict[int, tuple[compute.OuterState, Callable[[], object] | None]] = OrderedDict()
+        """Per kept round, θ_r and its applied mean to decode (applied_mean), both taken when the round is applied
+        here: a check outlasts fast rounds (it fetches the update first), and rounds applied meanwhile must not
+        take what it measures by away."""
         self._trained: OrderedDict[int, None] = OrderedDict()
         """The last rounds this node trained in: only a producer of the round judges its others."""
         self._sealed: OrderedDict[tuple[int, str], tuple[UpdateAnnounce, bytes]] = OrderedDict()
@@ -109,9 +109,8 @@ class TrainingChecks:
         (drawn among the contributors alike): the copy did not train on its own batches, the original did."""
         if not self.enabled or round_ not in self._trained:
             return
-        self._bases[round_], self._means[round_] = base, self.applied_mean(round_)
+        self._bases[round_] = base, self.applied_mean(round_)
         _trim(self._bases)
-        _trim(self._means)
         oldest = round_ - KEEP_ROUNDS + 1
         for table in (self._gains, self._sealed, self._unjudged):
             for old in [k for k in table if k[0] < oldest]:
@@ -143,13 +142,14 @@ class TrainingChecks:
         if original is not None:
             self._sealed.setdefault((msg.round, original.producer), (original, proof.original))
         claim = (msg.producer, proof.accuser, original.producer if original is not None else None)
+        gone = bool(self._bases) and msg.round < min(self._bases)
         log.info("task %s round %d: %s's proof against %s's update%s (%s)", self.tid[:12], msg.round, proof.accuser,
                  msg.producer, "" if original is None else f" as a copy of {original.producer}'s",
-                 "measured here" if msg.round in self._bases else "for a round no longer kept here"
-                 if self._bases and msg.round < min(self._bases) else "for a round not applied here yet")
+                 "measured here" if msg.round in self._bases else "for a round no longer kept here" if gone
+                 else "for a round not applied here yet")
         if msg.round in self._bases:
             nursery.start_soon(self._check, msg.round, *claim)
-        elif self._bases and msg.round < min(self._bases):
+        elif gone:
             self.counts["unjudged"] += 1
         elif self._trained and max(self._trained) <= msg.round <= max(self._trained) + 1 and \
                 len(self._pending.get(msg.round, ())) < MAX_CHECKS_PER_ROUND:
@@ -280,7 +280,8 @@ class TrainingChecks:
                        gains: dict[str, float]) -> dict[str, float] | None:
         """``gains`` with ``producer``'s update measured for each owner (_measured); None when the update cannot
         be judged (its batches or base are not this node's view of the round, or it cannot be fetched)."""
-        got, base, corpus = self._sealed.get((round_, producer)), self._bases.get(round_), self.corpus()
+        got, corpus = self._sealed.get((round_, producer)), self.corpus()
+        base, mean = self._bases.get(round_, (None, None))
         own = self._batches_of(round_, producer)
         if got is None or base is None or corpus is None or own is None or got[0].base_hash != base.weights_hash():
             log.info("task %s round %d: %s's update not judged: %s", self.tid[:12], round_, producer,
@@ -288,7 +289,7 @@ class TrainingChecks:
                      else "no corpus here" if corpus is None else "too few steps, or no shards named" if own is None
                      else "trained from other weights than this node's")
             return None
-        reference = self._means.get(round_) if any(o != producer for o in owners) else None
+        reference = mean if any(o != producer for o in owners) else None
         batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None
                    and (o == producer or reference is not None)}
         self._unjudged.setdefault((round_, producer), set()).update(o for o in owners if o not in batches)

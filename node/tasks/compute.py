@@ -1,31 +1,22 @@
-"""The tensor side of a round, run in threads: slices, int8 payloads, aggregation, the outer step, checkpoints."""
+"""The tensor side of a round, run in threads: slices, payloads, aggregation, the outer step, the state's hashes
+(what a task keeps on disk is task_files.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import math
-import os
-import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
-from node.fsutil import fsync_dir, round_files, write_atomic
 from node.train.codecs import INT8, Codec
-from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, QuantWriter, tensor_bytes
-from node.train.diloco import Named, OuterNesterov, load_named, named_tensors, save_named, weights_hash
+from node.train.compress import CHUNK_BLOCKS, DEFAULT_BLOCK_SIZE, tensor_bytes
+from node.train.diloco import Named, OuterNesterov, named_tensors, weights_hash
 from node.train.model import ModelConfig, init_model
 from protocol.errors import IntegrityError
 from protocol.manifest import Manifest
 from protocol.task import TaskSpec
-
-log = logging.getLogger("shoal.tasks")
 
 PAYLOAD = "int8"
 """The one tensor in a slice manifest: the int8 payload as raw uint8 bytes."""
@@ -92,16 +83,14 @@ def split_with_feedback(delta: Named, num_slices: int, codec: Codec,
         at += n
     payloads = []
     step = CHUNK_BLOCKS * codec.block_size
+    dense = not codec.keep  # a dense block writer works out what it drops as it writes (QuantWriter.write)
     for a, b in slice_bounds(flat.numel(), num_slices):
         writer = codec.writer(b - a)
         for lo in range(0, b - a, step):
             run = flat[a + lo:min(b, a + lo + step)]
-            if isinstance(writer, QuantWriter):
-                writer.write(lo, run, residual=run)
-            else:
-                writer.write(lo, run)
-        if not isinstance(writer, QuantWriter):
-            # A writer that cannot say what it dropped (top-k): the slice decoded, as a reader would.
+            writer.write(lo, run, **({"residual": run} if dense else {}))
+        if not dense:
+            # Top-k's writer does not say what it dropped: the slice decoded, as a reader would.
             flat[a:b].sub_(codec.decode(writer.out, b - a))
         payloads.append(writer.out)
     out, at = {}, 0
@@ -109,91 +98,6 @@ def split_with_feedback(delta: Named, num_slices: int, codec: Codec,
         out[name] = flat[at:at + n].view(delta[name].shape)
         at += n
     return payloads, out
-
-
-RESIDUAL_PREFIX = "residual-r"
-INNER_OPT_PREFIX = "inner-opt-r"
-"""The inner AdamW state after training round r: round r+1 trains from it, and a round retrained after a
-restart from the newest one before it, as the first attempt did (one file per task would be a round ahead)."""
-LEGACY_INNER_OPT = "inner_opt.safetensors"
-
-
-def round_file(directory: Path, prefix: str, round_: int) -> Path:
-    return directory / f"{prefix}{round_}.safetensors"
-
-
-def newest_before(directory: Path, prefix: str, round_: int) -> Path | None:
-    """The newest ``prefix<r>.safetensors`` with r < ``round_``; the older ones are deleted."""
-    found = [(r, path) for r, path in round_files(directory, prefix, ".safetensors") if r < round_]
-    if not found:
-        return None
-    found.sort()
-    for _, path in found[:-1]:
-        path.unlink(missing_ok=True)
-    return found[-1][1]
-
-
-def inner_opt_paths(directory: Path, round_: int) -> tuple[Path | None, Path]:
-    """(the inner optimizer state to train round ``round_`` from, where its state after the round goes)."""
-    legacy = directory / LEGACY_INNER_OPT
-    read = newest_before(directory, INNER_OPT_PREFIX, round_)
-    if read is None and legacy.exists():
-        read = legacy  # written by a node before these files had rounds: it holds the newest state
-    elif read is not None:
-        legacy.unlink(missing_ok=True)
-    return read, round_file(directory, INNER_OPT_PREFIX, round_)
-
-
-def load_residual(directory: Path, round_: int) -> Named | None:
-    """The error-feedback residual left by the newest update before ``round_`` (work redone for a round starts
-    from the same residual as the first attempt); older ones are deleted."""
-    wait_residual(directory)
-    path = newest_before(directory, RESIDUAL_PREFIX, round_)
-    if path is None:
-        return None
-    try:
-        return load_named(path)
-    except (OSError, SafetensorError):
-        return None  # a torn file: the feedback restarts from nothing, which costs only precision
-
-
-_residual_writes: dict[Path, threading.Thread] = {}
-
-
-def save_residual(directory: Path, round_: int, residual: Named, background: bool = False) -> None:
-    """Round ``round_``'s residual to disk (no fsync: a torn file reads as none); ``background``: in a thread,
-    after the one in flight for ``directory``, if any. The tensors must not change while it is written."""
-    directory = Path(directory)
-    wait_residual(directory)
-    path = round_file(directory, RESIDUAL_PREFIX, round_)
-
-    def write() -> None:
-        save_named(path, residual, durable=False)
-        # The one before stays: redoing this round after a restart starts from it.
-        for r, old in round_files(directory, RESIDUAL_PREFIX, ".safetensors"):
-            if r < round_ - 1:
-                old.unlink(missing_ok=True)
-    if not background:
-        write()
-        return
-
-    def write_logged() -> None:
-        try:
-            write()
-        except OSError as exc:  # a full disk: the next restart's first update goes without feedback
-            log.warning("residual of round %d not saved: %s", round_, exc)
-    thread = threading.Thread(target=write_logged, name=f"residual-r{round_}", daemon=True)
-    with _pending_lock:
-        _residual_writes[directory] = thread
-    thread.start()
-
-
-def wait_residual(directory: Path) -> None:
-    """Block until ``directory``'s residual in flight (if any) is written."""
-    with _pending_lock:
-        thread = _residual_writes.pop(Path(directory), None)
-    if thread is not None:
-        thread.join()
 
 
 def _feed(writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
@@ -284,7 +188,7 @@ def aggregate_payload(slices: dict, numel: int, codec: Codec = INT8, out: Codec 
     return writer.out, bad
 
 
-def _momentum(outer: OuterNesterov) -> Named:
+def momentum_named(outer: OuterNesterov) -> Named:
     """The outer state as named tensors, without state_dict's copies: nothing here is changed in place."""
     return {f"{MOMENTUM_PREFIX}{name}": buf for name, buf in sorted(outer.buffers.items())}
 
@@ -316,7 +220,7 @@ class OuterState:
 
     def _hashes(self) -> tuple[str, str]:
         if self.hashes is None:
-            momentum = _momentum(self.outer)
+            momentum = momentum_named(self.outer)
             weights_h, momentum_h = _in_threads(lambda: weights_hash(self.weights), lambda: weights_hash(momentum))
             self.hashes = (weights_h, state_hash_of(weights_h, momentum_h))
         return self.hashes
@@ -325,7 +229,7 @@ class OuterState:
         return self._hashes()[0]
 
     def state_tensors(self) -> Named:
-        return {**self.weights, **_momentum(self.outer)}
+        return {**self.weights, **momentum_named(self.outer)}
 
     def state_hash(self) -> str:
         return self._hashes()[1]
@@ -423,104 +327,4 @@ def state_from_tensors(spec: TaskSpec, r: int, tensors: Named, *, weights_hash_:
     state = OuterState(round=r, weights=weights, outer=outer, work=work)
     if state.weights_hash() != weights_hash_ or state.state_hash() != state_hash:
         raise IntegrityError("fetched weights or optimizer state do not match the majority's hashes")
-    return state
-
-
-# -- checkpoints ---------------------------------------------------------------------------------
-#
-# <dir>/checkpoints/r<round>-<hash>/{weights,momentum}.safetensors hold one round each; <dir>/meta.json (written last,
-# atomically) names the complete one. <dir>/weights.safetensors is a hard link to the newest weights, the file
-# the trainer reads. save_weights writes and links the weights (no fsync: the trainer only needs them in the page
-# cache) and leaves the rest, fsyncs, momentum, meta.json and removing older rounds, to a thread: a crash at any
-# point leaves meta.json naming a complete, fsynced round.
-
-CHECKPOINTS = "checkpoints"
-_pending: dict[Path, tuple[threading.Thread, list[BaseException]]] = {}
-_pending_lock = threading.Lock()
-
-
-def _round_dir(directory: Path, state: OuterState) -> Path:
-    # The hash in the name: a re-sync to another history at the same round never rewrites the complete one.
-    return directory / CHECKPOINTS / f"r{state.round:08d}-{state.weights_hash()[:16]}"
-
-
-def save_weights(directory: Path, state: OuterState) -> None:
-    """θ's file for the trainer now; the rest of the checkpoint in a thread (see above). Waits for the previous
-    checkpoint of ``directory`` first, so at most one is in flight, and raises the error it ended with, if any."""
-    directory = Path(directory)
-    wait_checkpoint(directory)
-    round_dir = _round_dir(directory, state)
-    round_dir.mkdir(parents=True, exist_ok=True)
-    save_named(round_dir / "weights.safetensors", state.weights, durable=False)
-    _link(round_dir / "weights.safetensors", directory / "weights.safetensors")
-    errors: list[BaseException] = []
-
-    def finish() -> None:
-        try:
-            _finish(directory, round_dir, state)
-        except BaseException as exc:  # re-raised by the next save or wait, in the caller's thread
-            errors.append(exc)
-    thread = threading.Thread(target=finish, name=f"checkpoint-r{state.round}")
-    with _pending_lock:
-        _pending[directory] = (thread, errors)
-    thread.start()
-
-
-def wait_checkpoint(directory: Path) -> None:
-    """Block until ``directory``'s checkpoint in flight (if any) is complete; raise its error."""
-    with _pending_lock:
-        pending = _pending.pop(Path(directory), None)
-    if pending is not None:
-        pending[0].join()
-        if pending[1]:
-            raise pending[1][0]
-
-
-def _finish(directory: Path, round_dir: Path, state: OuterState) -> None:
-    with open(round_dir / "weights.safetensors", "rb+") as f:
-        os.fsync(f.fileno())
-    save_named(round_dir / "momentum.safetensors", _momentum(state.outer))  # fsyncs round_dir as well
-    fsync_dir(round_dir.parent)
-    meta = {"round": state.round, "weights_hash": state.weights_hash(), "state_hash": state.state_hash(),
-            "work": state.work, "dir": f"{CHECKPOINTS}/{round_dir.name}"}
-    write_atomic(directory / "meta.json", json.dumps(meta).encode())
-    # No other round is in flight (save_weights waits for this one), so every other round is superseded.
-    for old in (directory / CHECKPOINTS).iterdir():
-        if old != round_dir:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _link(target: Path, name: Path) -> None:
-    tmp = name.with_name(f".{name.name}.{os.getpid()}.{threading.get_ident()}.link")
-    tmp.unlink(missing_ok=True)
-    os.link(target, tmp)
-    os.replace(tmp, name)
-
-
-def save_checkpoint(directory: Path, state: OuterState) -> dict:
-    """A whole checkpoint, waited for: save_weights and its thread."""
-    save_weights(directory, state)
-    wait_checkpoint(directory)
-    return json.loads((Path(directory) / "meta.json").read_text())
-
-
-def load_checkpoint(directory: Path, spec: TaskSpec) -> OuterState | None:
-    """The checkpoint meta.json names, or None if there is none or it does not verify; the trainer's weights
-    file is pointed back at it (a crash may have left it at a newer, incomplete round)."""
-    directory = Path(directory)
-    wait_checkpoint(directory)
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-        where = directory / meta.get("dir", ".")  # "." : the one-directory layout of earlier versions
-        weights = load_named(where / "weights.safetensors")
-        momentum = load_named(where / "momentum.safetensors")
-    except (OSError, ValueError, SafetensorError):  # a torn or rotted file is no checkpoint, not a crash
-        return None
-    outer = OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum)
-    outer.load_state_dict(momentum)
-    state = OuterState(round=int(meta["round"]), weights=weights, outer=outer, work=int(meta.get("work", 0)))
-    if state.weights_hash() != meta.get("weights_hash") or state.state_hash() != meta.get("state_hash"):
-        return None
-    if where != directory:
-        _link(where / "weights.safetensors", directory / "weights.safetensors")
     return state

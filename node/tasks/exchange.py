@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import trio
 
-from node.tasks import compute, robust
+from node.tasks import compute, robust, task_files
 from node.train.codecs import CODECS, INT8, Codec
 from node.train.diloco import load_named
 from protocol.audit import UNDECODABLE, Verified, Verify
@@ -153,12 +153,12 @@ class Exchange:
             # The last residual made here, from memory; after a restart, or to redo a round, from disk.
             kept = self._residual
             residual = kept[1] if kept is not None and kept[0] < round_ else \
-                await trio.to_thread.run_sync(compute.load_residual, self.dir, round_)
+                await trio.to_thread.run_sync(task_files.load_residual, self.dir, round_)
             payloads, residual = await trio.to_thread.run_sync(
                 compute.split_with_feedback, delta, self.spec.aggregation_shards, self.codec, residual)
             self._residual = (round_, residual)
             # On disk for a restart, written off the round's path (lost in a crash, it costs only precision).
-            await trio.to_thread.run_sync(compute.save_residual, self.dir, round_, residual, True)
+            await trio.to_thread.run_sync(task_files.save_residual, self.dir, round_, residual, True)
         else:
             payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
         # Versioned by round, not by the clock: the same bytes published again are the same manifests.

@@ -6,7 +6,8 @@ verified task message, the peer table's last-heard times and the results of the 
 until the next event or ``next_deadline()``. Work (training, aggregation, the outer step, fetching
 weights) runs in tasks of its own and reports back as an event, so nothing here blocks a message.
 Past 500 lines: one effect executor with one branch per effect type reads best in one place; the
-tensor work it calls lives in compute.py and exchange.py, the judging of aggregates in protocol/audit.py.
+tensor work it calls lives in compute.py and exchange.py, its files in task_files.py, the judging of
+aggregates in protocol/audit.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import trio
 from safetensors import SafetensorError
 
-from node.tasks import compute, history, produced
+from node.tasks import compute, history, produced, task_files
 from node.tasks.checks import KEEP_ROUNDS as CHECKED_ROUNDS, TrainingChecks, shards_of
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
@@ -321,7 +322,7 @@ class TaskRunner:
             check_trainer(self.spec, await trainer.ping())
             if self.hf is not None:
                 await self.hf.setup(trainer)  # θ_0's layout, which checkpoints and fetched states are checked against
-            self.state = await trio.to_thread.run_sync(compute.load_checkpoint, self.dir, self.spec)
+            self.state = await trio.to_thread.run_sync(task_files.load_checkpoint, self.dir, self.spec)
             await self._drive(until_done=True)
         # Finished: the trainer is let go, and the node keeps serving and re-syncing (without evaluating).
         self.trainer = None
@@ -549,8 +550,8 @@ class TaskRunner:
 
     async def _hold(self, state: compute.OuterState, *, evaluate: bool) -> float | None:
         """Make ``state`` this node's: its weights file now (the trainer reads θ_r from there), the rest of the
-        checkpoint in a thread of its own (compute.save_weights), then evaluate it (None: not evaluated)."""
-        await trio.to_thread.run_sync(compute.save_weights, self.dir, state)
+        checkpoint in a thread of its own (task_files.save_weights), then evaluate it (None: not evaluated)."""
+        await trio.to_thread.run_sync(task_files.save_weights, self.dir, state)
         eval_loss = await self._evaluate() if evaluate and self.trainer is not None else None
         # Only now: work redone after a trainer restart (_work) must start from the state it started from.
         self.state = state
@@ -572,7 +573,7 @@ class TaskRunner:
 
     async def _make_initial(self, _job: MakeInitial) -> Synced:
         state = await self._initial_state()
-        await trio.to_thread.run_sync(compute.save_checkpoint, self.dir, state)
+        await trio.to_thread.run_sync(task_files.save_checkpoint, self.dir, state)
         self.state = state
         return Synced(head=head_of(state, self.me))
 
@@ -641,7 +642,7 @@ class TaskRunner:
         processes = self._processes()
         # Steps taken while the exchange runs (not past the last round), carried into the next round.
         overlap = round(spec.overlap * spec.inner_steps) if processes == 1 and r + 1 < spec.rounds else 0
-        opt_in, opt_out = await trio.to_thread.run_sync(compute.inner_opt_paths, self.dir, r)
+        opt_in, opt_out = await trio.to_thread.run_sync(task_files.inner_opt_paths, self.dir, r)
         return await self.trainer.train(
             model=self._model_request(), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
             shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from node.tasks import compute
+from node.tasks import compute, task_files
 from tests.tasks.conftest import tiny_spec
 
 
@@ -26,34 +26,34 @@ class Killed(BaseException):
 @pytest.mark.parametrize("dies_before", ["momentum.safetensors", "meta.json", "end"])
 def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(tmp_path, monkeypatch, dies_before):
     spec, old, new = states()
-    compute.save_checkpoint(tmp_path, old)
-    real_save, real_write, real_replace = compute.save_named, compute.write_atomic, os.replace
+    task_files.save_checkpoint(tmp_path, old)
+    real_save, real_write, real_replace = task_files.save_named, task_files.write_atomic, os.replace
 
     def check(path):
         if os.path.basename(path) == dies_before:
             raise Killed
 
-    monkeypatch.setattr(compute, "save_named", lambda path, named, **kw: (check(path), real_save(path, named, **kw)))
-    monkeypatch.setattr(compute, "write_atomic", lambda path, data: (check(path), real_write(path, data)))
-    monkeypatch.setattr(compute.os, "replace", lambda a, b: (check(b), real_replace(a, b)))
+    monkeypatch.setattr(task_files, "save_named", lambda path, named, **kw: (check(path), real_save(path, named, **kw)))
+    monkeypatch.setattr(task_files, "write_atomic", lambda path, data: (check(path), real_write(path, data)))
+    monkeypatch.setattr(task_files.os, "replace", lambda a, b: (check(b), real_replace(a, b)))
     try:
-        compute.save_checkpoint(tmp_path, new)
+        task_files.save_checkpoint(tmp_path, new)
     except Killed:
         pass
     monkeypatch.undo()
-    loaded = compute.load_checkpoint(tmp_path, spec)
+    loaded = task_files.load_checkpoint(tmp_path, spec)
     assert loaded is not None, sorted(p.name for p in tmp_path.iterdir())
     committed = dies_before == "end"
     want = new if committed else old
     assert (loaded.round, loaded.weights_hash(), loaded.state_hash()) == (want.round, want.weights_hash(),
                                                                          want.state_hash())
     # What the trainer reads is the checkpoint's own weights.
-    on_disk = compute.load_named(tmp_path / "weights.safetensors")
+    on_disk = task_files.load_named(tmp_path / "weights.safetensors")
     assert all(torch.equal(on_disk[n], want.weights[n]) for n in want.weights)
 
 
 def test_a_checkpoint_that_does_not_verify_does_not_load(tmp_path):
     spec, old, _ = states()
-    compute.save_checkpoint(tmp_path, old)
+    task_files.save_checkpoint(tmp_path, old)
     (tmp_path / "meta.json").write_text('{"round": 0, "weights_hash": "00", "state_hash": "00"}')
-    assert compute.load_checkpoint(tmp_path, spec) is None
+    assert task_files.load_checkpoint(tmp_path, spec) is None

@@ -11,7 +11,7 @@ import json
 import pytest
 import trio
 
-from node.tasks import compute, exchange, produced
+from node.tasks import exchange, produced, task_files
 from protocol.task import task_id
 from protocol.task_machine import TaskMachine
 from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until, when_update_sent
@@ -75,14 +75,14 @@ async def test_a_producer_restarted_into_a_round_it_sent_its_update_for_sends_th
 
 
 def test_each_round_trains_from_the_inner_state_the_round_before_left(tmp_path):
-    assert compute.inner_opt_paths(tmp_path, 0) == (None, tmp_path / "inner-opt-r0.safetensors")
-    legacy = tmp_path / compute.LEGACY_INNER_OPT
+    assert task_files.inner_opt_paths(tmp_path, 0) == (None, tmp_path / "inner-opt-r0.safetensors")
+    legacy = tmp_path / task_files.LEGACY_INNER_OPT
     legacy.write_bytes(b"x")
-    assert compute.inner_opt_paths(tmp_path, 3)[0] == legacy  # a node's state from before the files had rounds
+    assert task_files.inner_opt_paths(tmp_path, 3)[0] == legacy  # a node's state from before the files had rounds
     for r in (2, 3, 5):
         (tmp_path / f"inner-opt-r{r}.safetensors").write_bytes(b"x")
     # Round 5 retrained after a restart reads round 3's state, as its first attempt did, not its own.
-    assert compute.inner_opt_paths(tmp_path, 5) == (tmp_path / "inner-opt-r3.safetensors",
+    assert task_files.inner_opt_paths(tmp_path, 5) == (tmp_path / "inner-opt-r3.safetensors",
                                                    tmp_path / "inner-opt-r5.safetensors")
     assert not legacy.exists() and not (tmp_path / "inner-opt-r2.safetensors").exists()
 

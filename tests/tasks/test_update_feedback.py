@@ -10,7 +10,7 @@ import trio
 from p2p.fake import FakeNetwork
 
 from node.shardcast import ShardcastConfig
-from node.tasks import compute
+from node.tasks import compute, task_files
 from node.tasks.exchange import Exchange
 from node.train.diloco import save_named
 from tests.shardcast.conftest import FAST, Swarm
@@ -49,10 +49,10 @@ async def test_the_residual_is_carried_in_memory_and_a_restart_redoes_a_round_fr
     first = exchange()
     ids = [await publish(first, r) for r in range(2)]
     # Round 2 starts from round 1's residual, in memory: nothing is read back from disk.
-    load = compute.load_residual
-    monkeypatch.setattr(compute, "load_residual", lambda *a: pytest.fail("read the residual back from disk"))
+    load = task_files.load_residual
+    monkeypatch.setattr(task_files, "load_residual", lambda *a: pytest.fail("read the residual back from disk"))
     ids.append(await publish(first, 2))
-    monkeypatch.setattr(compute, "load_residual", load)
+    monkeypatch.setattr(task_files, "load_residual", load)
     # What each round sent is the chain of feedback, round by round.
     residual = None
     for r in range(3):
@@ -60,7 +60,7 @@ async def test_the_residual_is_carried_in_memory_and_a_restart_redoes_a_round_fr
                                                          first.codec, residual)
         sent = [node.service.load_tensors(node.store.get_manifest(bytes.fromhex(i)).manifest) for i in ids[r]]
         assert [compute.tensor_bytes(t[compute.PAYLOAD]) for t in sent] == [bytes(p) for p in payloads], r
-    await trio.to_thread.run_sync(compute.wait_residual, directory)
+    await trio.to_thread.run_sync(task_files.wait_residual, directory)
     assert sorted(p.name for p in directory.glob("residual-r*")) == ["residual-r1.safetensors",
                                                                      "residual-r2.safetensors"]
     # Redoing round 2 starts from round 1's residual again, not from the one round 2 left.
