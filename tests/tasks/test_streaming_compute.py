@@ -259,11 +259,15 @@ def test_error_feedback_residuals_are_what_the_slices_dropped_and_a_redo_reuses_
 
 
 def test_a_residual_that_could_not_be_written_fails_no_later_round(tmp_path, caplog):
-    # Written in a thread: its error (here a directory that is not there yet) reaches the next save or load as a
-    # warning, never as a failure of that round's update.
-    directory = tmp_path / "task"
+    # Written in a thread: its error (here a file where the task directory should be) reaches the next save or
+    # load as a warning, never as a failure of that round's update.
+    blocker = tmp_path / "task"
+    blocker.write_bytes(b"")
+    directory = blocker / "sub"
     task_files.save_residual(directory, 1, named(1), background=True)
-    directory.mkdir()
-    task_files.save_residual(directory, 2, named(2), background=True)
+    assert task_files.load_residual(directory, 2) is None
     assert "residual was not saved" in caplog.text
+    blocker.unlink()
+    directory.mkdir(parents=True)
+    task_files.save_residual(directory, 2, named(2), background=True)
     assert torch.equal(flatten(task_files.load_residual(directory, 3))[0], flatten(named(2))[0])
