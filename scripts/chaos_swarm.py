@@ -56,7 +56,7 @@ def log(msg: str, started: float) -> None:
 
 def checkpoint_state(directory: Path, spec) -> str:
     """"ok", "absent" (never written) or "corrupt" (written, but it does not load and verify)."""
-    from node.tasks.compute import load_checkpoint
+    from node.tasks.task_files import load_checkpoint
     if not (directory / "meta.json").exists() and not (directory / "weights.safetensors").exists():
         return "absent"
     return "ok" if load_checkpoint(directory, spec) is not None else "corrupt"
