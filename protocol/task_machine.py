@@ -106,6 +106,12 @@ NEWCOMER_WAIT_SHARE = 0.5
 (joiners, restarted nodes) are waited for only this share of the time the others took, once those delivered: a
 newcomer as fast as them gets in, and a crowd of fresh identities that never train costs each round this share at
 most, not its deadline (_waiting)."""
+SYNC_RETRY_S = 0.5
+"""A weights fetch that failed is tried again after this long, doubling with each failure up to the quiet window: a
+source just restarted or just redialled answers a moment later, and a head nobody serves costs a quiet window."""
+SYNC_RETRIES = 3
+"""Failed fetches a node keeps listening through before it resumes its own weights: a node restarted behind the swarm
+that took up the round the others closed would follow it to its deadline, and the others would wait for it."""
 MISSED_ROUNDS = 4 * CONTRIBUTED_ROUNDS
 """A member that was waited for to the deadline and sent nothing is not waited for in the next this-many rounds; its
 updates still count when they come in time. Neither joining again nor a late update restores it: a join costs
@@ -412,6 +418,7 @@ class TaskMachine:
     _listen_until: float = 0.0
     _joined_zero: bool = False
     _blocked: dict[str, float] = field(default_factory=dict)
+    _sync_failures: dict[str, int] = field(default_factory=dict)
     _follow_after_sync: bool | None = True
     _members_cache: dict = field(default_factory=dict)
     """Per round: (members, as a set, the heartbeat and the liveness changes they were computed at); and per
@@ -1062,6 +1069,7 @@ class TaskMachine:
         assert self.stage is Stage.SYNCING, "Synced unasked"
         self._to("synced")
         self.head = ev.head
+        self._sync_failures.pop(ev.head.weights_hash, None)
         self._my_weights = None  # what we announced last is no longer what we hold
         effects: list[Effect] = []
         if ev.head.round > 0:
@@ -1092,7 +1100,12 @@ class TaskMachine:
 
     def _on_SyncFailed(self, ev: SyncFailed, now: float) -> list[Effect]:
         assert self.stage is Stage.SYNCING, "SyncFailed unasked"
-        self._blocked[ev.head.weights_hash] = now + self.quiet_after_s
+        failures = self._sync_failures[ev.head.weights_hash] = self._sync_failures.get(ev.head.weights_hash, 0) + 1
+        if len(self._sync_failures) > 64:
+            self._sync_failures = {ev.head.weights_hash: failures}
+        until = self._blocked[ev.head.weights_hash] = now + min(self.quiet_after_s, SYNC_RETRY_S * 2 ** (failures - 1))
+        if failures <= SYNC_RETRIES:
+            self._listen_until = max(self._listen_until, until)
         self._best_dirty = True
         self._to("sync_failed")
         self.detail = f"weights {ev.head.weights_hash[:16]} not fetched: {ev.reason}"
@@ -1258,6 +1271,8 @@ class TaskMachine:
             return self._open(self.head.round, now)
         effects: list[Effect] = []
         if self.stage is Stage.LISTENING:
+            if any(t > now and self._sync_failures.get(w, 0) <= SYNC_RETRIES for w, t in self._blocked.items()):
+                return []  # weights that failed to come are asked for again in a moment: the round may be closed
             peers_agree = any(Head.of(w).same_weights(self.head) for p, w in self.latest.items()
                               if self.live(p, now)) or self._underway(self.head.round) >= self.min_members
             if now < self._listen_until and not peers_agree:
@@ -1381,13 +1396,18 @@ class TaskMachine:
         # A peer one round ahead is normal (it applied first); two rounds ahead means the round closed
         # without us. A round stuck below min_members gives way to any history with more work.
         stuck = rec.phase is Phase.COLLECTING and now >= rec.started_at + self.round_deadline_s
-        if better is None or (not stuck and better[0].round <= rec.index + 1):
+        # A node following a round (restarted into it, or catching up) whose aggregates went out before it
+        # could hear them: nobody sends them again once the round closed, so the swarm's weights are the way on.
+        lost = not rec.producing and rec.phase is Phase.GATHERING and now >= rec.collected_at + self.quiet_after_s \
+            and any(not rec.aggregates.get(s) for s in range(self.num_slices))
+        if better is None or (not (stuck or lost) and better[0].round <= rec.index + 1):
             return []
-        if not rec.producing and not stuck and self._can_follow(better[0]):
+        if not rec.producing and not (stuck or lost) and self._can_follow(better[0]):
             return []  # a joiner catching up on the rounds it holds the messages of
         self._move(rec, "abandon")
-        return self._sync(*self._sources(better, now), f"the swarm finished round {rec.index} without us",
-                          follow=not stuck)
+        why = f"round {rec.index}'s aggregates never reached us" if lost and better[0].round <= rec.index + 1 else \
+            f"the swarm finished round {rec.index} without us"
+        return self._sync(*self._sources(better, now), why, follow=not stuck)
 
     # -- closing rules ---------------------------------------------------------------------------
 

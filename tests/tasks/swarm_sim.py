@@ -103,6 +103,8 @@ class Swarm:
         self.slow_links: dict[tuple[str, str, type], float] = {}
         """(sender, receiver, message type): simulated seconds such messages take to reach the receiver."""
         self.saved: dict[str, Head] = {}
+        self.fail_fetches: dict[str, int] = {}
+        """Per node, how many of its next weights fetches fail at once (a source that does not answer yet)."""
         self.history: dict[str, dict[int, str]] = {}
         self.closed: list[tuple[str, RoundClosed]] = []
         self.events: list[tuple[str, object]] = []
@@ -242,6 +244,9 @@ class Swarm:
             elif isinstance(e, FetchState):
                 reachable = [s for s in e.sources if s.peer_id not in self.dead
                              and self.group[s.peer_id] == self.group[name]]
+                if self.fail_fetches.get(name):
+                    self.fail_fetches[name] -= 1
+                    reachable = []
                 if reachable and (e.head.weights_hash, e.head.state_hash) in self.states and self.sync_s:
                     heapq.heappush(self.later, (self.now + self.sync_s, next(self._seq), name, Synced(head=e.head)))
                 elif reachable and (e.head.weights_hash, e.head.state_hash) in self.states:

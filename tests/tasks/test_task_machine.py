@@ -826,3 +826,57 @@ def test_a_producer_killed_and_back_while_the_aggregators_drew_apart_holds_no_sl
     assert took <= TRAIN_S + 2 * QUIET_S + 2 * HEARTBEAT_S, f"round {r} took {took:.1f} s"
     sim.run_until(sim.all_done, 3 * DEADLINE_S)
     assert not sim.disagreements() and len(final_hashes(sim)) == 1
+
+
+def test_a_node_restarted_as_its_round_closes_whose_first_fetch_fails_asks_again_at_once_and_fails_no_round():
+    """Killed while it gathered, back while the others still gather: its first source does not answer yet. It asks
+    again within a second rather than a quiet window later, and meanwhile does not take up the round the swarm is
+    closing without it (it would follow that round to its deadline, and the others would wait for it in the next)."""
+    # Listening ends before a failed source's quiet window would, as in a node (both 5 s, the fetch a second late).
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=12, min_members=3, listen_s=QUIET_S - 0.5)
+    sim.aggregate_s.update(dict.fromkeys("abcd", 0.5))
+    sim.run_until(lambda: sim.rounds_done("a") >= 3, 60)
+    d = sim.machines["d"]
+    sim.run_until(lambda: d.rounds_seen[d.current].phase is Phase.GATHERING, 30, step_s=0.01)
+    r = d.current
+    sim.kill("d")
+    sim.advance(0.1)
+    seen = len(sim.events)
+    sim.fail_fetches["d"] = 1
+    sim.restart("d")
+    fetched_at = []
+    while len(fetched_at) < 2:
+        assert sim.now < 60, "d never fetched again"
+        sim.advance(0.05)
+        fetches = [e for n, e in sim.events[seen:] if n == "d" and isinstance(e, FetchState)]
+        fetched_at += [sim.now] * (len(fetches) - len(fetched_at))
+    assert fetches[0].head.round == fetches[1].head.round == r + 1
+    assert fetched_at[1] - fetched_at[0] <= 1.0
+    sim.run_until(sim.all_done, 120)
+    after = [e for n, e in sim.events[seen:] if n == "d"]
+    assert not [e for e in after if isinstance(e, Apply) and not e.chosen]
+    gaps = {k: sim.closed_at[k] - sim.closed_at[k - 1] for k in range(r + 1, 12)}
+    assert max(gaps.values()) < TRAIN_S + QUIET_S, gaps
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
+
+
+def test_a_restarted_node_following_a_round_whose_aggregates_it_never_hears_takes_the_swarms_weights_soon():
+    """Restarted into a round the others trained, it follows that round; the aggregates went out before it could
+    hear them and nobody sends them again. It takes the weights the swarm holds a quiet window later, instead of
+    running the round to its deadline while the others wait for it in the next."""
+    from protocol.task import AggregateAnnounce
+    sim = TimedSwarm(["a", "b", "c", "d"], rounds=10, min_members=3)
+    r = killed_after_the_others_trained(sim, "d")
+    for p in "abc":
+        sim.slow_links[(p, "d", AggregateAnnounce)] = 10 * DEADLINE_S  # lost
+    seen = len(sim.events)
+    sim.run_until(lambda: any(n == "d" and isinstance(e, FetchState) for n, e in sim.events[seen:]), 60, step_s=0.1)
+    assert sim.now - sim.closed_at[r] <= QUIET_S + 0.5
+    for p in "abc":
+        del sim.slow_links[(p, "d", AggregateAnnounce)]
+    sim.run_until(sim.all_done, 120)
+    after = [e for n, e in sim.events[seen:] if n == "d"]
+    assert not [e for e in after if isinstance(e, Apply) and not e.chosen], "d ran the round to its deadline"
+    # The next round waits for d's update (it is counted there), a quiet window and its training, not a deadline.
+    assert sim.closed_at[r + 1] - sim.closed_at[r] <= QUIET_S + TRAIN_S + 0.5
+    assert not sim.disagreements() and len(final_hashes(sim)) == 1
