@@ -73,6 +73,8 @@ class ShardcastService:
         under way, or by then (see release())."""
         self._inflight_by_peer: Counter[str] = Counter()
         self._dirty: set[bytes] = set()
+        self._quiet: OrderedDict[bytes, None] = OrderedDict()
+        """Manifests fetched with announce=False or published unseeded: no Have of them goes out (see fetch())."""
         self._announce_wakeup = trio.Event()
         self._changed = trio.Event()
         self._upload_limiter = trio.CapacityLimiter(self.config.max_uploads)
@@ -118,25 +120,30 @@ class ShardcastService:
     # publishing
 
     async def publish_tensors(self, tensors, *, label: str = "", version: int | None = None,
-                              durable: bool = True, in_memory: bool = False) -> Manifest:
+                              durable: bool = True, in_memory: bool = False, gossip: bool = True) -> Manifest:
         """Store ``tensors`` (a dict of torch tensors) as shards, sign and announce their manifest. ``in_memory``:
         serve the shards from the tensors' own memory, written nowhere (ShardStore.hold_in_memory); the caller
-        then never changes these tensors in place."""
+        then never changes these tensors in place. ``gossip=False``: the manifest is not gossiped, only given to
+        whoever asks for it by id (a fetch asks its connected peers): for what is published often and fetched
+        rarely, where the manifest (a line per tensor) would go to every peer each time for nothing."""
         from node.shardcast.tensors import TensorParts  # torch only where tensors are used
         parts = await trio.to_thread.run_sync(TensorParts, tensors)
         return await self._publish_parts(parts.pieces, parts.total_bytes, parts.entries, label=label,
-                                         version=version, durable=durable, keep=parts if in_memory else None)
+                                         version=version, durable=durable, keep=parts if in_memory else None,
+                                         gossip=gossip)
 
     async def publish_blob(self, blob: bytearray, entries, *, label: str = "", version: int | None = None,
-                           durable: bool = True) -> Manifest:
+                           durable: bool = True, seed: bool = True) -> Manifest:
         """publish_tensors for tensors already laid out in ``blob`` (protocol.manifest.layout_tensors): no copy.
-        Each shard is hashed once, side by side in threads; ``durable``: see ShardStore.put_shard."""
+        Each shard is hashed once, side by side in threads; ``durable``: see ShardStore.put_shard. ``seed=False``:
+        every asker is served, none sent to the swarm (data for a few peers that fetch it quietly: see fetch())."""
         view = memoryview(blob)
         return await self._publish_parts(lambda start, end: [view[start:end]], len(view), entries, label=label,
-                                         version=version, durable=durable)
+                                         version=version, durable=durable, seed=seed)
 
     async def _publish_parts(self, pieces: Callable[[int, int], list], total_bytes: int, entries, *, label: str,
-                             version: int | None, durable: bool, keep: object = None) -> Manifest:
+                             version: int | None, durable: bool, keep: object = None, seed: bool = True,
+                             gossip: bool = True) -> Manifest:
         """A tensors manifest over bytes read as ``pieces(start, end)``: each shard hashed once (shards side by
         side in threads), then written with that hash, or, with ``keep`` (what owns the memory the pieces view),
         held in memory and the manifest not written either."""
@@ -161,7 +168,7 @@ class ShardcastService:
                     self.store.put_shard_pieces(pieces(*bounds), sha, durable=durable)
             return self._sign_and_store(m, persist=keep is None)
 
-        return await self._publish(work)
+        return await self._publish(work, seed=seed, gossip=gossip)
 
     async def publish_file(self, path: Path | str, *, label: str | None = None,
                            version: int | None = None) -> Manifest:
@@ -191,18 +198,22 @@ class ShardcastService:
         self.store.put_manifest(signed, persist=persist)
         return signed
 
-    async def _publish(self, work) -> Manifest:
+    async def _publish(self, work, *, seed: bool = True, gossip: bool = True) -> Manifest:
         assert self._running, "start the service with nursery.start(service.run) first"
         # The GC lock keeps freshly written shards from being collected before their manifest exists.
         async with self._gc_lock:
             signed = await trio.to_thread.run_sync(work)
-        if not self.config.single_source:
+        if not seed:
+            self._keep_quiet(signed.manifest_id)  # its few askers know where it is: no Haves, not even periodic ones
+        elif not self.config.single_source:
             # Nobody else will ever serve in single-source mode: serve-once would only stall receivers.
             self._seeds[signed.manifest_id] = Seed(num_shards=signed.manifest.num_shards,
                                                    reseed_after_s=self.config.reseed_after_s)
         self._remember(signed)
-        await self._gossip(signed.sealed)
-        self._mark_dirty(signed.manifest_id)
+        # The manifest, gossiped by its signer, is its signer's Have of every shard (_consume_gossip): no Have of
+        # our own follows it. The periodic re-announcement still covers it for peers that missed the manifest.
+        if gossip:
+            await self._gossip(signed.sealed)
         await self._gc()
         return signed.manifest
 
@@ -288,13 +299,16 @@ class ShardcastService:
 
     # fetching
 
-    async def fetch(self, manifest_id: bytes, *, signer: str | None = None,
+    async def fetch(self, manifest_id: bytes, *, signer: str | None = None, announce: bool = True,
                     progress: Callable[[FetchProgress], None] | None = None) -> Manifest:
         """Fetch every shard of a manifest from whoever holds them; returns it once all are verified on disk.
 
         ``signer``: only that peer's signature of the manifest will do. A manifest's id covers its content, not
         who signed it, so anyone can sign a copy of another's manifest and answer queries with it; the store
         then keeps the named signer's (the shards are the same).
+        ``announce=False``: no Have of this manifest leaves this node (it still serves what it holds, and answers
+        queries): for data only a few known peers fetch, who learn its holders from elsewhere (a task's update
+        slices, fetched by their aggregators from the producer), where each Have would be gossiped to everyone.
         TransferTimeout if the manifest cannot be found, or no shard arrives for stall_timeout_s.
         """
         assert self._running, "start the service with nursery.start(service.run) first"
@@ -305,6 +319,10 @@ class ShardcastService:
             if held is None or held.signer != self.keypair.peer_id:
                 # Our own signature of a manifest we published stays what we serve, whoever else signed a copy.
                 await trio.to_thread.run_sync(self.store.put_manifest, signed)
+            if not announce:
+                self._keep_quiet(manifest_id)
+            else:
+                self._quiet.pop(manifest_id, None)
             state = FetchState(self, signed, progress)
             await state.run()
             self._stats.last_fetch_bytes_per_s = state.bytes_per_s()
@@ -468,7 +486,15 @@ class ShardcastService:
     def forget_holding(self, manifest_id: bytes, peer: str, index: int) -> None:
         self._holders.get(manifest_id, {}).get(peer, set()).discard(index)
 
+    def _keep_quiet(self, manifest_id: bytes) -> None:
+        self._quiet[manifest_id] = None
+        self._quiet.move_to_end(manifest_id)
+        while len(self._quiet) > self.config.max_known_manifests:
+            self._quiet.popitem(last=False)
+
     def _mark_dirty(self, manifest_id: bytes) -> None:
+        if manifest_id in self._quiet:
+            return
         self._dirty.add(manifest_id)
         self._announce_wakeup.set()
 
@@ -500,9 +526,9 @@ class ShardcastService:
         self._have_tokens -= 1.0
 
     def _have(self, manifest_id: bytes) -> Have | None:
-        """What we hold of a stored manifest, verified; None if nothing (or the manifest is gone)."""
+        """What we hold of a stored manifest, verified; None if nothing (or the manifest is gone, or quiet)."""
         signed = self.store.get_manifest(manifest_id)
-        if signed is None:
+        if signed is None or manifest_id in self._quiet:
             return None
         n = signed.manifest.num_shards
         held = self.store.held_indices(manifest_id)
@@ -540,7 +566,12 @@ class ShardcastService:
                 self._stats.gossip_rejected += 1
                 continue
             if isinstance(signed.message, Manifest):
-                self._remember(open_manifest(msg.data))
+                manifest = open_manifest(msg.data)
+                self._remember(manifest)
+                if manifest.signer == msg.origin:
+                    # Gossiped by its signer, who published it: it holds every shard (a manifest relayed for
+                    # another signer says nothing about who holds what).
+                    self._record_holder(manifest.manifest_id, msg.origin, set(range(manifest.manifest.num_shards)))
                 continue
             for have in signed.message.haves if isinstance(signed.message, Haves) else (signed.message,):
                 known = self._known.get(have.manifest_id) or self.store.get_manifest(have.manifest_id)

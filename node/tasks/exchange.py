@@ -103,14 +103,15 @@ class Exchange:
     # -- fetching with verification ------------------------------------------------------------
 
     async def _fetch(self, manifest_hex: str, signer: str, timeout_s: float, *,
-                     verify: bool = True) -> tuple[Manifest, dict]:
+                     verify: bool = True, announce: bool = True) -> tuple[Manifest, dict]:
         """Fetch a tensors manifest signed by ``signer``; IntegrityError/TransferTimeout on failure.
-        ``verify=False``: the store hashed every shard where it arrived or was made; not again on reading."""
+        ``verify=False``: the store hashed every shard where it arrived or was made; not again on reading.
+        ``announce``: see ShardcastService.fetch."""
         mid = bytes.fromhex(manifest_hex)
         with trio.fail_after(timeout_s):
             # Only the signer's copy will do: anyone may sign a copy of another's manifest (the id is the same), and
             # one answered to us first must not make an honest producer's slice look forged.
-            manifest = await self.shardcast.fetch(mid, signer=signer)
+            manifest = await self.shardcast.fetch(mid, signer=signer, announce=announce)
         if manifest.kind != KIND_TENSORS:
             raise IntegrityError(f"manifest {manifest_hex[:16]} holds a file, not tensors")
         try:
@@ -118,15 +119,18 @@ class Exchange:
         except LocalStoreError:
             # Our own disk rotted, not the signer's bytes: the bad shard was dropped, so fetch it again.
             with trio.fail_after(timeout_s):
-                manifest = await self.shardcast.fetch(mid, signer=signer)
+                manifest = await self.shardcast.fetch(mid, signer=signer, announce=announce)
             tensors = await trio.to_thread.run_sync(self.shardcast.load_tensors, manifest)
         return manifest, tensors
 
     async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float, *,
                              kept: dict[int, set[bytes]], round_: int, codec: Codec = INT8):
-        """(manifest, the payload as a uint8 view), remembered under ``round_`` in ``kept`` for release."""
+        """(manifest, the payload as a uint8 view), remembered under ``round_`` in ``kept`` for release. An update's
+        slice is fetched quietly: its producer serves each of the few that need it (publish_update), and a Have of it
+        would be gossiped to every member for nothing. An aggregate, which every member fetches, is announced."""
         kept.setdefault(round_, set()).add(bytes.fromhex(manifest_hex))
-        manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False)
+        manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False,
+                                              announce=kept is not self._slices)
         return manifest, compute.payload_view(manifest, tensors, numel, codec)
 
     def _slice_numel(self, slice_index: int) -> int:
@@ -135,13 +139,16 @@ class Exchange:
 
     # -- publishing ------------------------------------------------------------------------------
 
-    async def publish_payload(self, data: bytearray, label: str, version: int | None = None) -> str:
+    async def publish_payload(self, data: bytearray, label: str, version: int | None = None, *,
+                              seed: bool = True) -> str:
         """One int8 payload as a one-tensor manifest, published straight from its buffer."""
-        return _manifest_hex(await self._publish_payload(data, label, version))
+        return _manifest_hex(await self._publish_payload(data, label, version, seed=seed))
 
-    async def _publish_payload(self, data: bytearray, label: str, version: int | None = None) -> Manifest:
+    async def _publish_payload(self, data: bytearray, label: str, version: int | None = None, *,
+                               seed: bool = True) -> Manifest:
         entries, _ = layout_tensors([(compute.PAYLOAD, "uint8", (len(data),))])
-        return await self.shardcast.publish_blob(data, entries, label=label, version=version, durable=False)
+        return await self.shardcast.publish_blob(data, entries, label=label, version=version, durable=False,
+                                                 seed=seed)
 
     async def publish_update(self, delta_path: Path, round_: int) -> list[str]:
         """The trainer's Δ for ``round_``, encoded slice by slice at the task's compression and published: one
@@ -162,7 +169,9 @@ class Exchange:
         else:
             payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
         # Versioned by round, not by the clock: the same bytes published again are the same manifests.
-        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}", version=round_)
+        # Not seeded: a slice goes to its few aggregators (and checkers), each served by the producer, who fetch it
+        # quietly (_fetch_payload). Seeded, the second would wait for the first's Have, gossiped to every member.
+        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}", version=round_, seed=False)
                for s, p in enumerate(payloads)]
         self._slices.setdefault(round_, set()).update(bytes.fromhex(i) for i in ids)
         return ids
@@ -186,8 +195,10 @@ class Exchange:
         """θ and the outer state for joiners and dissenters, served from the state's own memory (its tensors never
         change in place): no copy on disk, which would be 2x the model written each round and kept in the store.
         The previous state published here is released; while a peer still fetches it, its tensors stay in memory
-        with it (two round deadlines at most). The checkpoint, not the store, is what survives a crash."""
-        m = await self.shardcast.publish_tensors(state.state_tensors(), label=label, in_memory=True)
+        with it (two round deadlines at most). The checkpoint, not the store, is what survives a crash. Its manifest
+        (a line per tensor) is not gossiped: a node that fetches the state asks its source first (fetch_state), and
+        the answer brings the manifest."""
+        m = await self.shardcast.publish_tensors(state.state_tensors(), label=label, in_memory=True, gossip=False)
         await self._keep_state(manifest_id(m))
         return _manifest_hex(m)
 

@@ -394,3 +394,62 @@ async def test_a_peer_that_keeps_asking_for_a_released_manifest_cannot_keep_it_p
             await rx.service.holds(pub.peer_id, mid)
             await trio.sleep(0.1)
         assert 2.0 <= trio.current_time() - released_at <= 3.0
+
+
+async def test_a_manifest_gossiped_by_its_signer_is_its_have_and_a_quiet_fetch_announces_nothing(swarm):
+    """A publisher sends its manifest and no Have of its own: the manifest says it holds every shard. Data for a few
+    known peers (a task's update slice) is published unseeded and fetched quietly: the publisher serves each asker,
+    and no Have of it is gossiped by anyone, then or in a re-announcement."""
+    from protocol.envelope import open_sealed
+    from protocol.manifest import Haves, Manifest, layout_tensors
+    config = ShardcastConfig(**{**FAST, "reannounce_interval_s": 0.2})
+    pub, a, b = [await swarm.add(n, config=config) for n in ("pub", "a", "b")]
+    sent = {n.name: [] for n in (pub, a, b)}
+    for n in (pub, a, b):
+        gossip = n.service._gossip
+
+        async def recorded(data, _gossip=gossip, _name=n.name):
+            sent[_name].append(open_sealed(data, expect=(Manifest, Have, Haves)).message)
+            await _gossip(data)
+        n.service._gossip = recorded
+    blob = bytearray(os.urandom(40 * 1024))  # 3 shards
+    entries, _ = layout_tensors([("payload", "uint8", (len(blob),))])
+    with trio.fail_after(20):
+        await _mesh_ready([pub, a, b])
+        m = await pub.service.publish_blob(blob, entries, label="update", seed=False)
+        mid = manifest_id(m)
+        await wait_until(lambda: all(n.service.holders(mid).get(pub.peer_id) == {0, 1, 2} for n in (a, b)))
+        async with trio.open_nursery() as nursery:
+            for n in (a, b):
+                nursery.start_soon(lambda n=n: n.service.fetch(mid, signer=pub.peer_id, announce=False))
+        await trio.sleep(0.6)  # past two re-announcements
+    assert [type(x) for x in sent["pub"]] == [Manifest], "the publisher announced a Have after its manifest"
+    for n in (a, b):
+        assert not sent[n.name], f"{n.name} announced a quiet fetch: {sent[n.name]}"
+        assert bytes(n.service.load_tensors(m)["payload"].numpy()) == bytes(blob)
+    stats = pub.service.statistics()
+    # Never sent to the swarm; a receiver that asked the other (a query, not a Have, told it) got a shard there.
+    assert stats.uploads_refused_seeded == 0 and m.num_shards <= stats.shards_served <= 2 * m.num_shards
+    # Quiet is about gossip only: a peer that asks is still told what this node holds, and served.
+    late = await swarm.add("late", config=config)
+    with trio.fail_after(20):
+        await pub.stop()
+        await late.service.fetch(mid)
+    assert late.service.statistics().bytes_fetched == m.total_bytes
+
+
+async def test_a_manifest_published_without_gossip_is_found_by_asking(swarm):
+    """A node's state each round: published for the rare joiner, its manifest (a line per tensor) is not gossiped to
+    every peer; a fetch asks for it by id and gets it, signed by its publisher, with the shards."""
+    pub, rx = await swarm.add("pub"), await swarm.add("rx")
+    tensors = _tensors()
+    with trio.fail_after(20):
+        await _mesh_ready([pub, rx])
+        m = await pub.service.publish_tensors(tensors, label="state", in_memory=True, gossip=False)
+        mid = manifest_id(m)
+        await trio.sleep(0.3)
+        assert mid not in rx.service._known and not rx.service.holders(mid), "the manifest was gossiped"
+        got = await rx.service.fetch(mid, signer=pub.peer_id)
+    assert got == m
+    for name, t in tensors.items():
+        assert torch.equal(rx.service.load_tensors(got)[name], t), name
