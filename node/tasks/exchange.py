@@ -126,12 +126,16 @@ class Exchange:
     async def _fetch_payload(self, manifest_hex: str, signer: str, numel: int, timeout_s: float, *,
                              kept: dict[int, set[bytes]], round_: int, codec: Codec = INT8):
         """(manifest, the payload as a uint8 view), remembered under ``round_`` in ``kept`` for release. An update's
-        slice is fetched quietly: its producer serves each of the few that need it (publish_update), and a Have of it
-        would be gossiped to every member for nothing. An aggregate, which every member fetches, is announced."""
+        slice of one shard is fetched quietly: its producer serves each of the few that need it (publish_update), and
+        a Have of it would be gossiped to every member for nothing. An aggregate, which every member fetches, and a
+        slice of several shards, which its aggregators pass on to each other shard by shard, are announced."""
         kept.setdefault(round_, set()).add(bytes.fromhex(manifest_hex))
-        manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False,
-                                              announce=kept is not self._slices)
+        announce = kept is not self._slices or not self._one_shard(codec.size(numel))
+        manifest, tensors = await self._fetch(manifest_hex, signer, timeout_s, verify=False, announce=announce)
         return manifest, compute.payload_view(manifest, tensors, numel, codec)
+
+    def _one_shard(self, nbytes: int) -> bool:
+        return nbytes <= self.shardcast.config.shard_bytes
 
     def _slice_numel(self, slice_index: int) -> int:
         a, b = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)[slice_index]
@@ -169,9 +173,12 @@ class Exchange:
         else:
             payloads = await trio.to_thread.run_sync(compute.split_update, delta, self.spec.aggregation_shards)
         # Versioned by round, not by the clock: the same bytes published again are the same manifests.
-        # Not seeded: a slice goes to its few aggregators (and checkers), each served by the producer, who fetch it
-        # quietly (_fetch_payload). Seeded, the second would wait for the first's Have, gossiped to every member.
-        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}", version=round_, seed=False)
+        # A slice goes to its few aggregators (and, once the round is applied, its checker). One of a single shard is
+        # not seeded: the producer serves each, and they fetch it quietly (_fetch_payload); seeded, the second would
+        # wait for the first's whole copy and its Have, gossiped to every member. A slice of several shards is seeded,
+        # so that the aggregators pass shards on to each other while the producer sends each about once.
+        ids = [await self.publish_payload(p, f"task/{self.tid[:12]}/r{round_}/u{s}", version=round_,
+                                          seed=not self._one_shard(len(p)))
                for s, p in enumerate(payloads)]
         self._slices.setdefault(round_, set()).update(bytes.fromhex(i) for i in ids)
         return ids

@@ -67,3 +67,25 @@ async def test_the_residual_is_carried_in_memory_and_a_restart_redoes_a_round_fr
     assert await publish(first, 2) == ids[2]
     # A restart redoing round 2 starts from round 1's residual, on disk, as the first try did: the same slices.
     assert await publish(exchange(), 2) == ids[2]
+
+
+async def test_a_slice_of_one_shard_goes_unseeded_and_one_of_several_is_seeded(swarm, tmp_path):
+    """One shard cannot be passed on piece by piece, so the producer serves each aggregator itself and nobody
+    gossips a Have of it; a slice of several shards is seeded, so the aggregators pass shards on to each other."""
+    spec = tiny_spec(compression="int8")
+    numel = 10_000  # two int8 slices of about 5 KB
+    for shard_bytes, seeded in ((64 * 1024, False), (1024, True)):
+        node = await swarm.add(f"p{shard_bytes}", config=ShardcastConfig(**{**FAST, "shard_bytes": shard_bytes}))
+        directory = tmp_path / f"task{shard_bytes}"
+        directory.mkdir()
+        ex = Exchange(shardcast=node.service, spec=spec, task_id=TASK, directory=directory, keypair=node.keypair,
+                      penalize=lambda peer, why: None, num_params=lambda: numel)
+        path = directory / "update0.safetensors"
+        save_named(path, {"w": torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-2})
+        with trio.fail_after(30):
+            ids = [bytes.fromhex(i) for i in await ex.publish_update(path, 0)]
+        shards = [node.store.get_manifest(i).manifest.num_shards for i in ids]
+        assert all(n > 1 for n in shards) if seeded else shards == [1] * len(ids), shards
+        assert all((i in node.service._seeds) is seeded and (i in node.service._quiet) is not seeded for i in ids)
+        assert [ex._one_shard(len(bytes(compute.tensor_bytes(node.service.load_tensors(
+            node.store.get_manifest(i).manifest)[compute.PAYLOAD])))) for i in ids] == [not seeded] * len(ids)
