@@ -61,14 +61,14 @@ def _update(self, data, slice_index: int):
     return data
 
 
-async def _hostile_publish(self, data, label, version=None):
+async def _hostile_publish(self, data, label, version=None, **options):
     update, aggregate = _UPDATE.search(label), _AGGREGATE.search(label)
     if update and ATTACK not in ("forge", "overclaim"):
         data = _update(self, data, int(update.group(1)))
     elif aggregate and ATTACK == "forge":
         numel = self._slice_numel(int(aggregate.group(1)))
         data[:] = self.out.encode(-10.0 * compute.decode_slice(data, numel, self.out))
-    return await _publish(self, data, label, version)
+    return await _publish(self, data, label, version, **options)
 
 
 Exchange._publish_payload = _hostile_publish
