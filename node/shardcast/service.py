@@ -74,7 +74,8 @@ class ShardcastService:
         self._inflight_by_peer: Counter[str] = Counter()
         self._dirty: set[bytes] = set()
         self._quiet: OrderedDict[bytes, None] = OrderedDict()
-        """Manifests fetched with announce=False or published unseeded: no Have of them goes out (see fetch())."""
+        """Manifests fetched with announce=False or published unseeded: _have() gives none of them, so no Have of them
+        goes out, after a fetch or in a periodic re-announcement (see fetch())."""
         self._announce_wakeup = trio.Event()
         self._changed = trio.Event()
         self._upload_limiter = trio.CapacityLimiter(self.config.max_uploads)
@@ -493,8 +494,6 @@ class ShardcastService:
             self._quiet.popitem(last=False)
 
     def _mark_dirty(self, manifest_id: bytes) -> None:
-        if manifest_id in self._quiet:
-            return
         self._dirty.add(manifest_id)
         self._announce_wakeup.set()
 

@@ -145,7 +145,8 @@ class Exchange:
 
     async def publish_payload(self, data: bytearray, label: str, version: int | None = None, *,
                               seed: bool = True) -> str:
-        """One int8 payload as a one-tensor manifest, published straight from its buffer."""
+        """One encoded payload as a one-tensor manifest, published straight from its buffer; ``seed``: see
+        ShardcastService.publish_blob."""
         return _manifest_hex(await self._publish_payload(data, label, version, seed=seed))
 
     async def _publish_payload(self, data: bytearray, label: str, version: int | None = None, *,
