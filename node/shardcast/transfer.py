@@ -7,6 +7,7 @@ arrives, because yamux drops data the peer has not read when a connection goes d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -145,16 +146,23 @@ async def _read_batches(stream: Stream, send: trio.MemorySendChannel[list], nbyt
     received = 0
     batch: list = []
     batched = 0
-    while received < nbytes and not failure:
-        chunk = await _step(deadlines, stream.read(min(CHUNK_BYTES, nbytes - received)))
-        if not chunk:
-            raise IntegrityError(f"shard ended after {received} of {nbytes} bytes")
-        batch.append(chunk)
-        batched += len(chunk)
-        received += len(chunk)
-        if batched >= WRITE_BATCH_BYTES:
-            await send.send(batch)
-            batch, batched = [], 0
+    # One scope for the whole body, its deadline moved on by each read: a scope per read (as _step) took a
+    # tenth of the receiving loop. Handing a batch to the writer is not the peer's doing, so it runs unbounded.
+    with trio.CancelScope() as reading:
+        while received < nbytes and not failure:
+            reading.deadline = trio.current_time() + deadlines.inactivity_s
+            chunk = await stream.read(min(CHUNK_BYTES, nbytes - received))
+            if not chunk:
+                raise IntegrityError(f"shard ended after {received} of {nbytes} bytes")
+            batch.append(chunk)
+            batched += len(chunk)
+            received += len(chunk)
+            if batched >= WRITE_BATCH_BYTES:
+                reading.deadline = math.inf
+                await send.send(batch)
+                batch, batched = [], 0
+    if reading.cancelled_caught:
+        raise Stalled(f"no progress for {deadlines.inactivity_s} s")
     if batch and not failure:
         await send.send(batch)
 
