@@ -175,6 +175,37 @@ def _write_random(path: Path, nbytes: int) -> None:
             f.write(os.urandom(min(CHUNK_BYTES, nbytes - start)))
 
 
+class _UnstoredWriter:
+    """A shard writer that only counts: the shard protocol's own cost, without hashing or writing what arrives."""
+
+    def __init__(self, store, sha256: bytes, nbytes: int):
+        self._store, self.sha256, self.nbytes, self.received_bytes = store, sha256, nbytes, 0
+
+    def write_all(self, chunks) -> None:
+        self.received_bytes += sum(len(c) for c in chunks)
+
+    def verify(self) -> None:
+        if self.received_bytes != self.nbytes:
+            raise ValueError(f"shard has {self.received_bytes} bytes, expected {self.nbytes}")
+
+    def commit(self) -> None:
+        self.verify()
+        self._store._shards[self.sha256] = self.nbytes  # counted as held, so the fetch sees it done
+
+    def abort(self) -> None:
+        pass
+
+
+def _unstored_store(path: Path):
+    from node.shardcast import ShardStore
+
+    class UnstoredStore(ShardStore):
+        def shard_writer(self, sha256: bytes, nbytes: int) -> _UnstoredWriter:
+            return _UnstoredWriter(self, sha256, nbytes)
+
+    return UnstoredStore.open(path)
+
+
 async def _shard_client(args: argparse.Namespace) -> None:
     import trio
 
@@ -185,7 +216,8 @@ async def _shard_client(args: argparse.Namespace) -> None:
     kp = Keypair(os.urandom(32))
     seconds = []
     async with open_host(kp) as host:
-        store = await trio.to_thread.run_sync(ShardStore.open, Path(args.dir) / "receiver")
+        opener = _unstored_store if args.unstored else ShardStore.open
+        store = await trio.to_thread.run_sync(opener, Path(args.dir) / "receiver")
         svc = ShardcastService(host, kp, store, config=_shard_config(args))
         async with trio.open_nursery() as nursery:
             await nursery.start(svc.run)
@@ -223,9 +255,12 @@ def _read_ready(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 def measure(kind: str, *, nbytes: int, reps: int, work_dir: Path, shard_bytes: int = 0) -> list[float]:
-    """MB/s of each repetition of ``kind`` ("tcp", "stream" or "shard"), server and client in two processes."""
+    """MB/s of each repetition of ``kind``, server and client in two processes: "tcp", "stream", "shard", or
+    "shard_unstored" (the shard protocol with a receiver that neither hashes nor writes: what storing costs)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     common = dict(bytes=nbytes, reps=reps, dir=work_dir, shard_bytes=shard_bytes)
+    unstored = kind == "shard_unstored"
+    kind = "shard" if unstored else kind
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = open(work_dir / f"{kind}.log", "ab")
     server = subprocess.Popen(_worker_argv(f"{kind}-serve", **common), stdin=subprocess.PIPE,
@@ -233,7 +268,8 @@ def measure(kind: str, *, nbytes: int, reps: int, work_dir: Path, shard_bytes: i
                               start_new_session=True)
     try:
         target = _read_ready(server, READY_TIMEOUT_S)
-        client = subprocess.run(_worker_argv(f"{kind}-client", connect=target, **common), stdout=subprocess.PIPE,
+        argv = _worker_argv(f"{kind}-client", connect=target, **common) + (["--unstored"] if unstored else [])
+        client = subprocess.run(argv, stdout=subprocess.PIPE,
                                 stderr=log, text=True, cwd=ROOT, env=env, timeout=WORKER_TIMEOUT_S)
         if client.returncode != 0:
             raise RuntimeError(f"{kind} client failed (exit code {client.returncode}); see {log.name}")
@@ -261,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--dir", default=".")
     parser.add_argument("--shard-bytes", type=int, default=0)
+    parser.add_argument("--unstored", action="store_true", help="shard client: count what arrives, store nothing")
     args = parser.parse_args(argv)
     worker = _WORKERS[args.role]
     if args.role.startswith("tcp"):

@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from node.shardcast.store import ShardStore  # noqa: E402
+from protocol.manifest import DEFAULT_SHARD_BYTES  # noqa: E402
 from scripts import bench_rates  # noqa: E402
 from scripts.local_swarm import Swarm, netlab_interrupts, stop  # noqa: E402
 
@@ -211,14 +212,30 @@ def _wait_jobs(controls: list[Control], mid: str, args: argparse.Namespace, star
 
 
 def raw_rates(args: argparse.Namespace, work_dir: Path, started: float) -> dict:
+    """One publisher and one receiver process: plain TCP, a bare libp2p stream, and the shard protocol at the
+    benchmark's shard size and at a node's default (32 MiB), each also with a receiver that stores nothing.
+
+    ``goodput_ratio`` is the shard protocol at the benchmark's shard size over the bare stream; the
+    ``_unstored`` ratios show how much of the gap is the protocol and how much hashing and writing."""
     nbytes, reps = args.raw_mb * MiB, args.reps
+    default = min(DEFAULT_SHARD_BYTES, nbytes)
+    arms = (("raw_tcp", "tcp", 0), ("libp2p_stream", "stream", 0),
+            ("shard_protocol", "shard", args.shard_bytes),
+            ("shard_protocol_unstored", "shard_unstored", args.shard_bytes),
+            ("shard_protocol_default_shard", "shard", default),
+            ("shard_protocol_default_shard_unstored", "shard_unstored", default))
     runs = {}
-    for key, kind in (("raw_tcp", "tcp"), ("libp2p_stream", "stream"), ("shard_protocol", "shard")):
-        _say(started, f"raw rate: {kind}, {reps} x {args.raw_mb} MiB")
+    for key, kind, shard_bytes in arms:
+        _say(started, f"raw rate: {key}, {reps} x {args.raw_mb} MiB")
         runs[key] = [round(r, 1) for r in bench_rates.measure(kind, nbytes=nbytes, reps=reps,
-                                                              work_dir=work_dir / kind, shard_bytes=args.shard_bytes)]
-    out = {f"{key}_mb_s": bench_rates.median_mb_s(rates) for key, rates in runs.items()}
+                                                              work_dir=work_dir / key, shard_bytes=shard_bytes)]
+    out: dict[str, Any] = {f"{key}_mb_s": bench_rates.median_mb_s(rates) for key, rates in runs.items()}
     out["raw_runs_mb_s"] = runs
+    out["raw_shard_bytes"] = {"benchmark": args.shard_bytes, "default": default}
+    stream = out["libp2p_stream_mb_s"]
+    for key, _, _ in arms[2:]:
+        suffix = key.removeprefix("shard_protocol")
+        out[f"goodput_ratio{suffix}"] = round(out[f"{key}_mb_s"] / stream, 3)
     return out
 
 
@@ -333,7 +350,7 @@ def run_vs_shardcast(args: argparse.Namespace) -> dict:
                 raw_args = argparse.Namespace(**{**vars(args), "shard_bytes": args.shard_bytes or default_shard_bytes(
                     args.raw_mb * MiB, 4)})
                 rates = raw_rates(raw_args, work_dir / "raw", started)
-                result["goodput_ratio"] = round(rates["shard_protocol_mb_s"] / rates["libp2p_stream_mb_s"], 3)
+                result["goodput_ratio"] = rates["goodput_ratio"]
                 result["raw_rates"] = rates
         ok = True
     finally:

@@ -24,8 +24,12 @@ def test_bench_reports_both_modes_and_raw_rates(tmp_path):
     result = json.loads(out.read_text())
     assert json.loads(proc.stdout) == result
     assert result["size_bytes"] == 4 << 20 and result["receivers"] == 2
-    for key in ("raw_tcp_mb_s", "libp2p_stream_mb_s", "shard_protocol_mb_s"):
+    for key in ("raw_tcp_mb_s", "libp2p_stream_mb_s", "shard_protocol_mb_s", "shard_protocol_unstored_mb_s",
+                "shard_protocol_default_shard_mb_s", "shard_protocol_default_shard_unstored_mb_s"):
         assert result[key] > 0, key
+    # 4 MiB of raw data: the node's default shard (32 MiB) is cut to the whole set, one shard.
+    assert result["raw_shard_bytes"] == {"benchmark": result["shard_bytes"], "default": 4 << 20}
+    assert result["goodput_ratio"] == round(result["shard_protocol_mb_s"] / result["libp2p_stream_mb_s"], 3)
     for mode in ("swarm", "single_source"):
         figures = result[mode]
         assert figures["integrity_ok"] is True, figures
