@@ -22,7 +22,7 @@ from node.config import NodeConfig
 from node.control import SOCKET_FILE, TOKEN_FILE, Request, Response, ensure_token, serve_control
 from node.membership import Membership, Traffic
 from node.metrics import Sample, render, task_samples
-from node.shardcast.transfer import SHARD_PROTOCOL
+from node.shardcast.transfer import SHARD_PROTOCOLS
 from p2p.api import Host, HostConfig
 from protocol.errors import ConfigError
 from protocol.keys import Keypair
@@ -31,7 +31,7 @@ from protocol.messages import HardwareSummary
 log = logging.getLogger("shoal.node")
 
 READY_FILE = "node.json"
-BULK_PROTOCOLS = (SHARD_PROTOCOL,)
+BULK_PROTOCOLS = SHARD_PROTOCOLS
 """Shards and updates: never over a relayed connection."""
 LOCK_FILE = "node.lock"
 

@@ -7,7 +7,7 @@ Errors are the ones from protocol.errors: PeerUnreachable, StreamClosed, Transfe
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import trio
 
@@ -160,10 +160,11 @@ class Host(Protocol):
     async def block_peer(self, peer_id: str, duration_s: float) -> None:
         """Disconnect ``peer_id`` and refuse its connections, streams and gossip for ``duration_s``."""
 
-    async def open_stream(self, peer_id: str, protocol: str) -> Stream:
+    async def open_stream(self, peer_id: str, protocol: str | Sequence[str]) -> Stream:
         """Open a stream (bounded by stream_open_timeout_s); PeerUnreachable on failure.
 
-        That includes a peer that does not serve ``protocol``: the open fails, the connection stays.
+        ``protocol`` may be several, in order of preference: the stream runs the first the peer serves, and its
+        ``protocol`` says which. A peer that serves none fails the open; the connection stays.
         """
 
     def subscribe(self, topic: str, validator: GossipValidator | None = None) -> trio.MemoryReceiveChannel[GossipMessage]:

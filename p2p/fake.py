@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections import OrderedDict, deque
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import trio
 
@@ -186,14 +186,19 @@ class FakeHost:
             return False
         return until is not None
 
-    async def open_stream(self, peer_id: str, protocol: str) -> FakeStream:
+    async def open_stream(self, peer_id: str, protocol: str | Sequence[str]) -> FakeStream:
         await trio.lowlevel.checkpoint()
+        choices = [protocol] if isinstance(protocol, str) else list(protocol)
+        if not choices:
+            raise ValueError("open_stream needs at least one protocol")
         remote = self._network._hosts.get(peer_id)
         if remote is None or peer_id not in self._links or not self._alive or not remote._alive:
-            raise PeerUnreachable(f"opening {protocol} to {peer_id} failed: not connected")
-        handler = remote._handlers.get(protocol)
-        if handler is None:
-            raise PeerUnreachable(f"opening {protocol} to {peer_id} failed: the peer does not serve it")
+            raise PeerUnreachable(f"opening {choices[0]} to {peer_id} failed: not connected")
+        # As multistream-select: the first of ours, in our order, that the peer serves.
+        protocol = next((p for p in choices if p in remote._handlers), None)
+        if protocol is None:
+            raise PeerUnreachable(f"opening {choices[0]} to {peer_id} failed: the peer does not serve it")
+        handler = remote._handlers[protocol]
         capacity = self._network.stream_buffer_bytes
         to_remote, to_local = _Pipe(capacity), _Pipe(capacity)
         local_end = FakeStream(self, peer_id, protocol, to_local, to_remote)

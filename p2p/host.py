@@ -11,7 +11,7 @@ import math
 import time
 from collections import OrderedDict
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import multiaddr
 import trio
@@ -210,21 +210,25 @@ class Libp2pHost:
 
         self._host.set_stream_handler(TProtocol(protocol), serve)
 
-    async def open_stream(self, peer_id: str, protocol: str) -> _Stream:
+    async def open_stream(self, peer_id: str, protocol: str | Sequence[str]) -> _Stream:
         pid = _to_id(peer_id)
         timeout_s = self._config.stream_open_timeout_s
-        if protocol in self._config.direct_only_protocols and not self.is_direct(peer_id):
+        choices = [protocol] if isinstance(protocol, str) else list(protocol)
+        if not choices:
+            raise ValueError("open_stream needs at least one protocol")
+        if any(p in self._config.direct_only_protocols for p in choices) and not self.is_direct(peer_id):
             self._stats.relayed_streams_refused += 1
-            raise PeerUnreachable(f"no direct connection to {peer_id}: {protocol} never runs over a relay")
+            raise PeerUnreachable(f"no direct connection to {peer_id}: {choices[0]} never runs over a relay")
         try:
             with trio.fail_after(timeout_s):
-                raw = await self._host.new_stream(pid, [TProtocol(protocol)])
+                raw = await self._host.new_stream(pid, [TProtocol(p) for p in choices])
         except trio.TooSlowError:
-            raise PeerUnreachable(f"opening {protocol} to {peer_id} timed out after {timeout_s} s") from None
+            raise PeerUnreachable(f"opening {choices[0]} to {peer_id} timed out after {timeout_s} s") from None
         except Exception as exc:  # StreamFailure (protocol refused), dial and swarm errors
-            raise PeerUnreachable(f"opening {protocol} to {peer_id} failed: {exc!r}") from exc
+            raise PeerUnreachable(f"opening {choices[0]} to {peer_id} failed: {exc!r}") from exc
         self._stats.streams_opened += 1
-        return _Stream(raw, peer_id, protocol, self._stats)
+        chosen = str(raw.get_protocol() or choices[0])
+        return _Stream(raw, peer_id, chosen, self._stats)
 
     def subscribe(self, topic: str, validator: GossipValidator | None = None) -> trio.MemoryReceiveChannel[GossipMessage]:
         if topic in self._joined:

@@ -3,7 +3,7 @@
 from node.shardcast.fetcher import FetchProgress
 from node.shardcast.service import MANIFEST_PROTOCOL, TOPIC, ShardcastConfig, ShardcastService, ShardcastStatistics
 from node.shardcast.store import ShardStore
-from node.shardcast.transfer import SHARD_PROTOCOL
+from node.shardcast.transfer import SHARD_PROTOCOL, SHARD_PROTOCOLS
 
-__all__ = ["FetchProgress", "MANIFEST_PROTOCOL", "SHARD_PROTOCOL", "TOPIC", "ShardStore", "ShardcastConfig",
+__all__ = ["FetchProgress", "MANIFEST_PROTOCOL", "SHARD_PROTOCOL", "SHARD_PROTOCOLS", "TOPIC", "ShardStore", "ShardcastConfig",
            "ShardcastService", "ShardcastStatistics"]

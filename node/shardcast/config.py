@@ -21,6 +21,13 @@ class ShardcastConfig:
     """The overall deadline assumes at least this rate (2 Mbit/s): slow home links and several
     concurrent transfers must not time out; a stalled peer is caught by inactivity_s instead."""
     stream_open_timeout_s: float = 10.0
+    stream_idle_s: float = 3.0
+    """A fetcher keeps a /shoal/shard/2 stream this long after an exchange for its next request to the same
+    holder; a holder waits twice this for one, then closes the stream (charging nobody)."""
+    max_idle_streams_per_peer: int = 8
+    """Kept streams a holder leaves waiting for one peer's next request; past it, it closes the stream. An honest
+    fetcher keeps at most max_downloads plus its hedges per holder, and an idle stream is charged for nothing,
+    so this bounds what one identity can hold open for free."""
     have_interval_s: float = 0.1
     """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""
     reannounce_interval_s: float = 30.0
@@ -108,6 +115,8 @@ class ShardcastStatistics:
     Seed.reason): overdue, unheard, unreachable. Each one that completes is upload past one copy of the set."""
     upload_failures: int = 0
     download_failures: int = 0
+    streams_reused: int = 0
+    """Shard requests sent on a kept stream rather than a new one (/shoal/shard/2)."""
     gossip_rejected: int = 0
     uploads_active: int = 0
     downloads_active: int = 0

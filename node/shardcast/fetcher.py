@@ -202,13 +202,18 @@ class FetchState:
             async with contextlib.nullcontext() if hedge else svc._download_limiter:
                 stats.downloads_active += 1
                 try:
-                    with trio.fail_after(cfg.stream_open_timeout_s):
-                        stream = await svc.host.open_stream(peer, transfer.SHARD_PROTOCOL)
+                    stream, kept = await svc.shard_stream(peer)
                     started = trio.current_time()
-                    status = await transfer.fetch_shard(
-                        stream, svc.store, manifest_id=self.mid, index=index,
-                        sha256=self.manifest.shard_hashes[index], nbytes=size,
-                        deadlines=cfg.download_deadlines(), fallback=fallback)
+                    try:
+                        status = await self._ask(stream, index, size, fallback)
+                    except transfer.Unanswered:
+                        if not kept:
+                            raise
+                        # A kept stream the holder closed as idle just as we asked: once more, on a new one.
+                        stream, _ = await svc.shard_stream(peer, fresh=True)
+                        started = trio.current_time()
+                        status = await self._ask(stream, index, size, fallback)
+                    await svc.done_with_shard_stream(peer, stream)
                     if status == STATUS_OK:
                         svc.record_rate(peer, size, trio.current_time() - started)
                 finally:
@@ -248,6 +253,11 @@ class FetchState:
             svc.forget_holding(self.mid, peer, index)
             self.failed_at[(index, peer)] = trio.current_time()
         return status
+
+    async def _ask(self, stream, index: int, size: int, fallback: bool) -> str:
+        return await transfer.fetch_shard(stream, self.svc.store, manifest_id=self.mid, index=index,
+                                          sha256=self.manifest.shard_hashes[index], nbytes=size,
+                                          deadlines=self.svc.config.download_deadlines(), fallback=fallback)
 
     def _done(self, index: int, peer: str, size: int) -> None:
         svc = self.svc

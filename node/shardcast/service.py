@@ -34,6 +34,7 @@ from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_HAVES_PER_MESSAGE, M
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
+from node.shardcast.kept import KeptStreams, close_kept
 from node.shardcast.seed import Seed
 from node.shardcast.store import ShardStore
 
@@ -85,6 +86,10 @@ class ShardcastService:
         self._have_tokens = float(self.config.have_burst)
         self._have_refilled_at = 0.0
         self._streams_by_peer: Counter[str] = Counter()
+        self._idle_by_peer: Counter[str] = Counter()
+        """Inbound /shoal/shard/2 streams waiting for their peer's next request."""
+        self._kept = KeptStreams(idle_s=self.config.stream_idle_s, max_per_peer=self.config.max_downloads)
+        """Our idle /shoal/shard/2 streams to holders, for the next request to each."""
         self._rate_by_peer: dict[str, float] = {}
         self._unknown_requests = FloodLimiter(rate_per_s=self.config.unknown_requests_per_s,
                                               burst=self.config.unknown_request_burst)
@@ -94,7 +99,8 @@ class ShardcastService:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve shards and manifests, follow the gossip topic, announce holdings; never returns."""
-        self.host.set_stream_handler(transfer.SHARD_PROTOCOL, self._serve_shard)
+        for protocol in transfer.SHARD_PROTOCOLS:
+            self.host.set_stream_handler(protocol, self._serve_shard)
         self.host.set_stream_handler(MANIFEST_PROTOCOL, self._serve_manifest)
         gossip = self.host.subscribe(TOPIC, validator=self._validate_gossip)
         # After a restart, tell the swarm what survived on disk.
@@ -103,6 +109,7 @@ class ShardcastService:
             nursery.start_soon(self._consume_gossip, gossip)
             nursery.start_soon(self._announce_loop)
             nursery.start_soon(self._release_loop)
+            nursery.start_soon(self._close_idle_loop)
             self._running = True
             task_status.started()
 
@@ -253,6 +260,28 @@ class ShardcastService:
     def releasing(self) -> frozenset[bytes]:
         """Manifests released but still kept for a fetch under way."""
         return frozenset(self._releasing)
+
+    async def shard_stream(self, peer: str, *, fresh: bool = False) -> tuple[Stream, bool]:
+        """A stream to ask ``peer`` for a shard on, and whether it is a kept one: an idle /shoal/shard/2 stream to it
+        unless ``fresh``, else a new stream (/2, or /1 for a peer that serves only that)."""
+        if not fresh and (stream := self._kept.take(peer, trio.current_time())) is not None:
+            self._stats.streams_reused += 1
+            return stream, True
+        with trio.fail_after(self.config.stream_open_timeout_s):
+            return await self.host.open_stream(peer, transfer.SHARD_PROTOCOLS), False
+
+    async def done_with_shard_stream(self, peer: str, stream: Stream) -> None:
+        """After a completed exchange: keep a /shoal/shard/2 stream for the next request to ``peer``, or close it."""
+        if not transfer.keeps_open(stream):
+            return  # /1: fetch_shard closed it
+        if not self._kept.keep(peer, stream, trio.current_time()):
+            await close_kept(stream)
+
+    async def _close_idle_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.stream_idle_s / 2)
+            for stream in self._kept.expired(trio.current_time()):
+                await close_kept(stream)
 
     async def _release_loop(self) -> None:
         while True:
@@ -643,41 +672,67 @@ class ShardcastService:
                 await transfer.abort(stream)
 
     async def _serve_shard(self, stream: Stream) -> None:
+        """One exchange on /shoal/shard/1; on /2, exchanges until the peer closes the stream or leaves it idle.
+
+        A stream counts against the per-peer stream cap while it waits for its first request and during each
+        exchange; between exchanges it counts only as idle (max_idle_streams_per_peer), so a fetcher's kept
+        streams never crowd out its transfers and queries."""
         peer = stream.remote_peer
-        with self._admit(peer) as admitted:
-            if not admitted:
-                await transfer.abort(stream)
+        cfg = self.config
+        req = None
+        while True:
+            with self._admit(peer) as admitted:
+                if not admitted:
+                    await transfer.abort(stream)
+                    return
+                try:
+                    if req is None:
+                        req = await transfer.read_request(stream, cfg.deadlines())
+                except transfer.Refused as exc:
+                    self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
+                    await transfer.abort(stream)
+                    return
+                if not await self._answer_shard(stream, peer, req) or not transfer.keeps_open(stream):
+                    return
+            if (self._idle_by_peer[peer] >= cfg.max_idle_streams_per_peer
+                    or self._idle_by_peer.total() >= cfg.max_streams):
+                await close_kept(stream)
                 return
+            self._idle_by_peer[peer] += 1
             try:
-                req = await transfer.read_request(stream, self.config.deadlines())
+                req = await transfer.read_next_request(stream, 2 * cfg.stream_idle_s)
             except transfer.Refused as exc:
                 self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
                 await transfer.abort(stream)
                 return
-            await self._answer_shard(stream, peer, req)
+            finally:
+                self._idle_by_peer[peer] -= 1
+                if not self._idle_by_peer[peer]:
+                    del self._idle_by_peer[peer]
+            if req is None:
+                await close_kept(stream)
+                return
 
-    async def _answer_shard(self, stream: Stream, peer: str, req) -> None:
+    async def _answer_shard(self, stream: Stream, peer: str, req) -> bool:
+        """Answer one request; returns whether the stream is still open for another (on /shoal/shard/2)."""
         cfg = self.config
         signed = self.store.get_manifest(req.manifest_id)
         m = signed.manifest if signed else None
         if m is None or req.index >= m.num_shards or not self.store.has_shard(m.shard_hashes[req.index]):
             if self._allow_unknown(peer):
-                await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
-            else:
-                await transfer.abort(stream)
-            return
+                return await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
+            await transfer.abort(stream)
+            return False
         seed = self._seeds.get(req.manifest_id)
         if seed is not None and seed.decide(req.index, fallback=req.fallback, now=trio.current_time(),
                                             others_hold=self._others_hold(req.manifest_id, req.index, peer)) != STATUS_OK:
             self._stats.uploads_refused_seeded += 1
-            await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
-            return
+            return await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
         try:
             self._upload_limiter.acquire_nowait()
         except trio.WouldBlock:
             self._stats.uploads_refused_busy += 1
-            await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
-            return
+            return await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
         sha = m.shard_hashes[req.index]
         self._serving(req.manifest_id)
         stats = self._stats
@@ -686,6 +741,7 @@ class ShardcastService:
         stats.uploads_active += 1
         started = seed.begin(req.index, trio.current_time()) if seed is not None else 0.0
         acked = False
+        reusable = False
 
         def count(nbytes: int) -> None:
             stats.bytes_served += nbytes
@@ -705,6 +761,7 @@ class ShardcastService:
             elif result.ok:
                 stats.shards_served += 1
                 acked = True
+                reusable = True
         except TransferTimeout as exc:
             # A receiver that stopped reading is charged; one on a slow link (below min_rate) is only counted.
             stats.upload_failures += 1
@@ -719,6 +776,7 @@ class ShardcastService:
             self._serving(req.manifest_id)
             if seed is not None:
                 seed.end(req.index, started, trio.current_time(), ok=acked, peer=peer)
+        return reusable
 
     # housekeeping
 

@@ -1,6 +1,12 @@
-"""One shard over one stream: request, header, raw chunks, half-close, the receiver verifies and acks.
+"""Shards over streams: request, header, raw chunks, the receiver verifies and acks.
 
-Both sides bound every read and write by an inactivity deadline, and the whole exchange by
+``/shoal/shard/2`` keeps a stream for the next request: each exchange is request, header, exactly the
+header's byte count, ack, and the receiver may send its next request on the same stream (opening a stream
+per shard cost the receiving loop about 2 ms a shard). ``/shoal/shard/1``, still served for older peers,
+carries one exchange and half-closes after the body. A refusal (busy, seeded, missing) is a header with
+that status and no body; on /2 the stream stays open for the next request.
+
+Both sides bound every read and write by an inactivity deadline, and each exchange by
 ``base_s + nbytes / min_rate_bytes_per_s``. The sender keeps the stream open until the ack
 arrives, because yamux drops data the peer has not read when a connection goes down.
 """
@@ -22,7 +28,10 @@ from protocol.manifest import STATUS_OK, ShardAck, ShardHeader, ShardRequest
 
 from node.shardcast.store import HeldShard, ShardStore
 
-SHARD_PROTOCOL = "/shoal/shard/1"
+SHARD_PROTOCOL = "/shoal/shard/2"
+SHARD_PROTOCOL_V1 = "/shoal/shard/1"
+SHARD_PROTOCOLS = (SHARD_PROTOCOL, SHARD_PROTOCOL_V1)
+"""In order of preference: what a fetcher offers when it opens a stream."""
 CHUNK_BYTES = 1 << 20
 WRITE_BATCH_BYTES = 1 << 20
 """Bytes handed to the hashing and writing thread at once (one thread hop each); chosen by measurement."""
@@ -43,6 +52,16 @@ class Deadlines:
 
 class Stalled(TransferTimeout):
     """The peer made no progress for a whole inactivity deadline (unlike a merely slow transfer)."""
+
+
+class Unanswered(StreamClosed):
+    """The stream ended or failed before the holder answered the request: on a kept stream, most likely the
+    holder closing it as idle just as we asked; the request can go out again on a new stream."""
+
+
+def keeps_open(stream: Stream) -> bool:
+    """Whether ``stream`` runs the protocol that carries several exchanges."""
+    return stream.protocol == SHARD_PROTOCOL
 
 
 async def _step(deadlines: Deadlines, awaitable):
@@ -68,29 +87,37 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
     """Ask for one shard and store it verified; returns the holder's status ("ok", "busy", "missing").
 
     Raises IntegrityError, OversizeError or DecodeError when the holder sent something we refuse
-    (its fault), TransferTimeout when it went quiet, StreamClosed when the stream died. The
-    stream is closed (or reset on failure) before returning.
+    (its fault), TransferTimeout when it went quiet, Unanswered when the stream ended or failed before
+    the holder's header, StreamClosed when it died later. On failure the stream is reset. On success a
+    /shoal/shard/2 stream stays open for the caller's next request (it closes or resets it); any other
+    is closed.
     """
     writer = None
     nacked = False
+    keep = keeps_open(stream)
     try:
         with trio.fail_after(deadlines.overall_s(nbytes)):
-            await _step(deadlines, send_message(stream, ShardRequest(manifest_id=manifest_id, index=index,
-                                                                      fallback=fallback)))
-            header = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardHeader))
+            try:
+                await _step(deadlines, send_message(stream, ShardRequest(manifest_id=manifest_id, index=index,
+                                                                          fallback=fallback)))
+                header = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardHeader))
+            except StreamClosed as exc:
+                raise Unanswered(f"stream failed before the shard header: {exc}") from exc
             if header is None:
-                raise StreamClosed("stream ended before the shard header")
+                raise Unanswered("stream ended before the shard header")
             if header.manifest_id != manifest_id or header.index != index:
                 raise DecodeError(f"asked for shard {index}, got a header for shard {header.index}")
             if header.status != STATUS_OK:
-                await _step(deadlines, stream.close())
+                if not keep:
+                    await _step(deadlines, stream.close())
                 return header.status
             if header.nbytes != nbytes or header.sha256 != sha256:
                 raise IntegrityError(f"header promises {header.nbytes} bytes / another hash; "
                                      f"the manifest says {nbytes} bytes")
             writer = store.shard_writer(sha256, nbytes)
             await _receive_body(stream, writer, nbytes, deadlines)
-            if await _step(deadlines, stream.read(1)):
+            # On /2 bytes past the body would be read as the next header, and refused there.
+            if not keep and await _step(deadlines, stream.read(1)):
                 raise OversizeError(f"holder sent more than the announced {nbytes} bytes")
             try:
                 writer.verify()
@@ -101,10 +128,22 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
                 raise
             await trio.to_thread.run_sync(writer.commit)
             writer = None
+        ack = ShardAck(manifest_id=manifest_id, index=index, ok=True, reason="")
+        if keep:
+            # The holder reads our next request only after this ack. The shard is ours either way: if the ack
+            # cannot go out the stream is reset, and whoever asks on it next is told so (Unanswered).
+            with trio.move_on_after(deadlines.inactivity_s) as waited:
+                try:
+                    await send_message(stream, ack)
+                except StreamClosed:
+                    waited.cancel()
+            if waited.cancelled_caught:
+                await abort(stream)
+            return STATUS_OK
         # The shard is verified and stored: a lost ack only costs the holder its bookkeeping.
         with trio.move_on_after(deadlines.inactivity_s):
             try:
-                await send_message(stream, ShardAck(manifest_id=manifest_id, index=index, ok=True, reason=""))
+                await send_message(stream, ack)
                 await stream.close()
             except StreamClosed:
                 pass
@@ -240,15 +279,37 @@ async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
     return await read_control(stream, deadlines, CONTROL_MAX_BYTES, ShardRequest)
 
 
-async def refuse(stream: Stream, req: ShardRequest, status: str, deadlines: Deadlines) -> None:
-    """Answer with a header carrying ``status`` and no data, then close."""
+async def read_next_request(stream: Stream, idle_s: float) -> ShardRequest | None:
+    """The next request on a kept /shoal/shard/2 stream; None once the receiver closed it at a message boundary or
+    let it sit idle for ``idle_s`` (both its right). Refused for what no honest receiver sends."""
+    watched = _Watched(stream)
+    try:
+        with trio.move_on_after(idle_s):
+            return await recv_message(watched, CONTROL_MAX_BYTES, expect=ShardRequest)
+        return None
+    except OversizeError as exc:
+        raise Refused("oversize", str(exc)) from None
+    except RemoteProtocolError as exc:
+        raise Refused("garbage", str(exc)) from None
+    except StreamClosed as exc:
+        if watched.eof:
+            raise Refused("truncated", str(exc)) from None
+        raise Refused("reset", str(exc), charge=False) from None
+
+
+async def refuse(stream: Stream, req: ShardRequest, status: str, deadlines: Deadlines) -> bool:
+    """Answer with a header carrying ``status`` and no data; then close, or on /shoal/shard/2 keep the stream for
+    the next request. Returns whether the stream is still open for one."""
     try:
         with trio.fail_after(deadlines.inactivity_s):
             await send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index, status=status,
                                                    nbytes=0, sha256=b""))
+            if keeps_open(stream):
+                return True
             await stream.close()
     except (trio.TooSlowError, StreamClosed):
         await abort(stream)
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,12 +347,13 @@ def _chunks_of(source: Path | HeldShard, nbytes: int):
 
 async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldShard, sha256: bytes, nbytes: int,
                      deadlines: Deadlines, on_bytes: Callable[[int], None] | None = None) -> SendResult:
-    """Serve one shard from ``source`` (its file, or its pieces in memory) and wait for the receiver's ack before
-    closing.
+    """Serve one shard from ``source`` (its file, or its pieces in memory) and wait for the receiver's ack; then
+    close, or on /shoal/shard/2 leave the stream open for the receiver's next request.
 
     Raises TransferTimeout, StreamClosed or a RemoteProtocolError; the stream is reset then.
     """
     sent = 0
+    keep = keeps_open(stream)
     try:
         with trio.fail_after(deadlines.overall_s(nbytes)):
             await _step(deadlines, send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index,
@@ -305,17 +367,19 @@ async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldSh
                         on_bytes(len(chunk))
             finally:
                 chunks.close()  # its file, now rather than when the generator is collected
-            await _step(deadlines, stream.close_write())
+            if not keep:
+                await _step(deadlines, stream.close_write())
             ack = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardAck))
         if ack is None:
             raise StreamClosed("receiver closed without an ack")
         if ack.manifest_id != req.manifest_id or ack.index != req.index:
             raise DecodeError("ack for another shard")
-        with trio.move_on_after(deadlines.inactivity_s):
-            try:
-                await stream.close()
-            except StreamClosed:
-                pass
+        if not keep:
+            with trio.move_on_after(deadlines.inactivity_s):
+                try:
+                    await stream.close()
+                except StreamClosed:
+                    pass
         corrupt = sent != nbytes
         if not ack.ok and not corrupt and not isinstance(source, HeldShard):
             # Hashing every shard while sending would cost the sender a fifth of its CPU; the store

@@ -137,6 +137,27 @@ async def test_stream_to_a_peer_without_the_protocol_raises_peer_unreachable(swa
             assert await stream.read(100) == b"still here"
 
 
+async def test_a_stream_runs_the_first_of_several_protocols_the_peer_serves(swarm):
+    """Several protocols in order of preference (a newer version, then the one older peers serve)."""
+    newer, older = "/shoal-test/echo/2", ECHO
+    with trio.fail_after(20):
+        async with swarm.hosts(3) as (a, b, c):
+            b.set_stream_handler(older, echo_until_eof)
+            c.set_stream_handler(older, echo_until_eof)
+            c.set_stream_handler(newer, echo_until_eof)
+            await connect(a, b)
+            await connect(a, c)
+            for peer, expected in ((b, older), (c, newer)):
+                stream = await a.open_stream(peer.peer_id, [newer, older])
+                assert stream.protocol == expected
+                await stream.write(b"ping")
+                await stream.close_write()
+                assert await stream.read(100) == b"ping"
+            with pytest.raises(PeerUnreachable):
+                await a.open_stream(b.peer_id, ["/shoal-test/nobody-serves-this/1", newer])
+            assert b.peer_id in a.connected_peers()
+
+
 async def test_a_handler_that_raises_does_not_kill_the_host(swarm):
     calls = []
 

@@ -130,6 +130,18 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
             await stream.reset()
             await honest_sees_node_alive()
 
+            # a kept /shoal/shard/2 stream: one honest exchange, then junk where the next request goes
+            before = rejected("garbage")
+            stream = await attacker.open_stream(node_id, SHARD_PROTOCOL)
+            assert transfer.keeps_open(stream)
+            shard = big_m.shard_hashes[0]
+            assert await transfer.fetch_shard(stream, ShardStore.open(tmp_path / "attacker"),
+                                              manifest_id=manifest_id(big_m), index=0, sha256=shard,
+                                              nbytes=MiB, deadlines=node.config.deadlines(), fallback=True) == "ok"
+            await stream.write(struct.pack(">I", 64) + os.urandom(64))
+            await _drain(stream)
+            await expect("garbage", before)
+
             # (b) too many streams at once from one peer
             before = rejected("too_many_streams")
             silent = []

@@ -453,3 +453,46 @@ async def test_a_manifest_published_without_gossip_is_found_by_asking(swarm):
     assert got == m
     for name, t in tensors.items():
         assert torch.equal(rx.service.load_tensors(got)[name], t), name
+
+
+async def test_a_holder_serves_many_shards_on_a_few_kept_streams(swarm, tmp_path):
+    pub = await swarm.add("pub")
+    rx = await swarm.add("rx")
+    src = tmp_path / "set.bin"
+    src.write_bytes(os.urandom(40 * FAST["shard_bytes"]))
+    with trio.fail_after(30):
+        m = await pub.service.publish_file(src)
+        opened = rx.host.statistics().streams_opened
+        await rx.service.fetch(manifest_id(m))
+        opened = rx.host.statistics().streams_opened - opened  # shard streams, and a manifest query if one
+    stats = rx.service.statistics()
+    assert stats.shards_fetched == m.num_shards == 40
+    # At most max_downloads streams (and a hedge or two), each reused for the shards after its first.
+    assert opened <= 2 * rx.service.config.max_downloads + 1
+    assert stats.streams_reused >= m.num_shards - opened
+    assert stats.download_failures == 0 and not rx.penalties and not pub.penalties
+
+
+async def test_kept_streams_the_holder_closed_as_idle_are_replaced_without_blame(swarm, tmp_path):
+    """The holder waits 2 x stream_idle_s for a next request; a fetcher that keeps its streams longer than that (a
+    misconfiguration, or a clock that jumped) finds them closed, asks again on new ones and charges nobody."""
+    pub = await swarm.add("pub", config=ShardcastConfig(**{**FAST, "stream_idle_s": 0.1}))
+    rx = await swarm.add("rx", config=ShardcastConfig(**{**FAST, "stream_idle_s": 30.0}))
+    sets = []
+    for i in range(2):
+        src = tmp_path / f"set{i}.bin"
+        src.write_bytes(os.urandom(8 * FAST["shard_bytes"]))
+        sets.append(src)
+    with trio.fail_after(30):
+        first = await pub.service.publish_file(sets[0])
+        await rx.service.fetch(manifest_id(first))
+        kept = rx.service._kept.count()
+        assert kept >= 1
+        await wait_until(lambda: not pub.service._idle_by_peer)  # the holder closed them all
+        second = await pub.service.publish_file(sets[1])
+        await rx.service.fetch(manifest_id(second))
+    stats = rx.service.statistics()
+    assert stats.shards_fetched == 16 and stats.download_failures == 0
+    assert stats.streams_reused >= kept  # each stale one was taken, found closed, and replaced
+    assert not rx.penalties and not pub.penalties
+    assert not pub.service.statistics().requests_rejected

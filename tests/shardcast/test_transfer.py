@@ -11,7 +11,7 @@ import trio
 
 from p2p.fake import FakeNetwork
 from p2p.framing import send_message
-from protocol.errors import IntegrityError, OversizeError, StreamClosed, TransferTimeout
+from protocol.errors import IntegrityError, OversizeError, RemoteProtocolError, StreamClosed, TransferTimeout
 from protocol.keys import Keypair
 from protocol.manifest import STATUS_BUSY, STATUS_OK, ShardHeader
 
@@ -39,7 +39,7 @@ async def _host(net, label, task_status=trio.TASK_STATUS_IGNORED):
         await trio.sleep_forever()
 
 
-def _serve_with(host, body):
+def _serve_with(host, body, protocol=transfer.SHARD_PROTOCOL):
     """Register a handler that reads the request and then runs ``body(stream, req)``."""
     results = []
 
@@ -47,12 +47,12 @@ def _serve_with(host, body):
         req = await transfer.read_request(stream, FAST)
         results.append(await body(stream, req))
 
-    host.set_stream_handler(transfer.SHARD_PROTOCOL, handler)
+    host.set_stream_handler(protocol, handler)
     return results
 
 
-async def _fetch(a, b, store, *, nbytes=len(DATA), sha=SHA, deadlines=FAST):
-    stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+async def _fetch(a, b, store, *, nbytes=len(DATA), sha=SHA, deadlines=FAST, protocol=transfer.SHARD_PROTOCOL):
+    stream = await a.open_stream(b.peer_id, protocol)
     return await transfer.fetch_shard(stream, store, manifest_id=MID, index=0, sha256=sha, nbytes=nbytes,
                                       deadlines=deadlines)
 
@@ -146,10 +146,11 @@ async def test_header_that_disagrees_with_the_manifest_is_refused(pair, tmp_path
 
 @pytest.mark.parametrize("body, error", [
     (DATA[:1000], IntegrityError),               # ends early
-    (DATA + b"extra", OversizeError),            # more than announced
+    (DATA + b"extra", OversizeError),            # more than announced (on /2: see test_bytes_past_the_body_...)
     (bytes([DATA[0] ^ 1]) + DATA[1:], IntegrityError),  # corrupted (a flipped bit: a written 0 may be DATA's own)
 ])
 async def test_bad_body_is_rejected_and_nacked(pair, tmp_path, body, error):
+    """/shoal/shard/1: one exchange, ended by the holder's half-close."""
     a, b = pair
     acks = []
 
@@ -163,10 +164,10 @@ async def test_bad_body_is_rejected_and_nacked(pair, tmp_path, body, error):
         except StreamClosed:
             acks.append(None)
 
-    _serve_with(b, bad)
+    _serve_with(b, bad, transfer.SHARD_PROTOCOL_V1)
     store = ShardStore.open(tmp_path)
     with trio.fail_after(10), pytest.raises(error):
-        await _fetch(a, b, store)
+        await _fetch(a, b, store, protocol=transfer.SHARD_PROTOCOL_V1)
     _assert_clean(store, tmp_path)
 
 
@@ -248,3 +249,148 @@ async def test_a_shard_held_in_memory_arrives_whole_after_the_store_let_it_go_mi
         while not sent:
             await trio.sleep(0.005)
     assert store.read_shard(SHA) == DATA and sent[0].ok and not sender.has_shard(SHA)
+
+
+# /shoal/shard/2: several exchanges on one stream
+
+SHARDS = [os.urandom(70_000 + i) for i in range(3)]
+
+
+def _serve_kept(host, *, answers=None, served=None):
+    """A holder of SHARDS that answers requests on one stream until the receiver closes it, as the service does.
+    ``answers``: per request, "ok" or a refusal status (default: all ok)."""
+    answers = list(answers or [])
+
+    async def handler(stream):
+        req = await transfer.read_request(stream, FAST)
+        while req is not None:
+            served.append((id(stream), req.index)) if served is not None else None
+            status = answers.pop(0) if answers else STATUS_OK
+            if status != STATUS_OK:
+                assert await transfer.refuse(stream, req, status, FAST)
+            else:
+                data = SHARDS[req.index]
+                src = HeldShard(pieces=(data,), nbytes=len(data))
+                result = await transfer.send_shard(stream, req, source=src, sha256=hashlib.sha256(data).digest(),
+                                                   nbytes=len(data), deadlines=FAST)
+                assert result.ok
+            req = await transfer.read_next_request(stream, 5.0)
+        await stream.close()
+
+    host.set_stream_handler(transfer.SHARD_PROTOCOL, handler)
+
+
+async def _ask(stream, store, index):
+    data = SHARDS[index]
+    return await transfer.fetch_shard(stream, store, manifest_id=MID, index=index,
+                                      sha256=hashlib.sha256(data).digest(), nbytes=len(data), deadlines=FAST)
+
+
+async def test_a_kept_stream_carries_several_exchanges_and_refusals(pair, tmp_path):
+    a, b = pair
+    served = []
+    _serve_kept(b, answers=[STATUS_OK, STATUS_BUSY, STATUS_OK, STATUS_OK], served=served)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10):
+        stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOLS)
+        assert stream.protocol == transfer.SHARD_PROTOCOL and transfer.keeps_open(stream)
+        assert await _ask(stream, store, 0) == STATUS_OK
+        assert await _ask(stream, store, 1) == STATUS_BUSY  # a refusal leaves the stream open
+        assert await _ask(stream, store, 1) == STATUS_OK
+        assert await _ask(stream, store, 2) == STATUS_OK
+    assert [store.read_shard(hashlib.sha256(d).digest()) for d in SHARDS] == SHARDS
+    assert [i for _, i in served] == [0, 1, 1, 2] and len({sid for sid, _ in served}) == 1
+
+
+async def test_an_older_holder_is_asked_on_shard_1(pair, tmp_path):
+    a, b = pair
+    src = tmp_path / "src.bin"
+    src.write_bytes(DATA)
+    _serve_with(b, lambda s, r: transfer.send_shard(s, r, source=src, sha256=SHA, nbytes=len(DATA),
+                                                   deadlines=FAST), transfer.SHARD_PROTOCOL_V1)
+    store = ShardStore.open(tmp_path / "store")
+    with trio.fail_after(10):
+        stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOLS)
+        assert stream.protocol == transfer.SHARD_PROTOCOL_V1 and not transfer.keeps_open(stream)
+        assert await transfer.fetch_shard(stream, store, manifest_id=MID, index=0, sha256=SHA, nbytes=len(DATA),
+                                          deadlines=FAST) == STATUS_OK
+    assert store.read_shard(SHA) == DATA
+
+
+async def test_bytes_past_the_body_are_refused_as_the_next_header(pair, tmp_path):
+    """On /2 the header's count ends the body: what a holder sends past it is read as its next answer, and refused."""
+    a, b = pair
+    data = SHARDS[0]
+
+    async def padded(stream):
+        await transfer.read_request(stream, FAST)
+        await send_message(stream, ShardHeader(manifest_id=MID, index=0, status=STATUS_OK, nbytes=len(data),
+                                               sha256=hashlib.sha256(data).digest()))
+        await stream.write(data + b"\xff" * 64)
+        await trio.sleep_forever()
+
+    b.set_stream_handler(transfer.SHARD_PROTOCOL, padded)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10):
+        stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+        assert await _ask(stream, store, 0) == STATUS_OK  # the shard itself is whole and verified
+        with pytest.raises(RemoteProtocolError):
+            await _ask(stream, store, 1)
+
+
+async def test_a_kept_stream_the_holder_closed_fails_unanswered(pair, tmp_path):
+    """What the fetcher retries on a new stream, charging nobody: no answer at all, not a bad one."""
+    a, b = pair
+
+    async def once(stream):
+        req = await transfer.read_request(stream, FAST)
+        data = SHARDS[req.index]
+        await transfer.send_shard(stream, req, source=HeldShard(pieces=(data,), nbytes=len(data)),
+                                  sha256=hashlib.sha256(data).digest(), nbytes=len(data), deadlines=FAST)
+        await stream.close()  # idle past its wait: the holder ends the stream
+
+    b.set_stream_handler(transfer.SHARD_PROTOCOL, once)
+    store = ShardStore.open(tmp_path)
+    with trio.fail_after(10):
+        stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+        assert await _ask(stream, store, 0) == STATUS_OK
+        await trio.sleep(0.1)
+        with pytest.raises(transfer.Unanswered):
+            await _ask(stream, store, 1)
+
+
+async def test_the_holder_waits_for_the_next_request_only_so_long(pair):
+    """read_next_request: None at the receiver's clean EOF and after idle_s; charged refusals for junk."""
+    a, b = pair
+    got = []
+
+    async def handler(stream):
+        got.append(await transfer.read_next_request(stream, 0.3))
+
+    b.set_stream_handler(transfer.SHARD_PROTOCOL, handler)
+    with trio.fail_after(10):
+        idle = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+        closed = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+        await closed.close_write()
+        while len(got) < 2:
+            await trio.sleep(0.01)
+    assert got == [None, None]
+    del idle
+
+    refusals = []
+
+    async def judged(stream):
+        try:
+            await transfer.read_next_request(stream, 5.0)
+        except transfer.Refused as exc:
+            refusals.append((exc.reason, exc.charge))
+
+    b.set_stream_handler(transfer.SHARD_PROTOCOL, judged)
+    with trio.fail_after(10):
+        for payload in (struct.pack(">I", 64) + os.urandom(64), b"\xff\xff\xff\xff", struct.pack(">I", 100) + b"\x93"):
+            stream = await a.open_stream(b.peer_id, transfer.SHARD_PROTOCOL)
+            await stream.write(payload)
+            await stream.close_write()
+        while len(refusals) < 3:
+            await trio.sleep(0.01)
+    assert sorted(refusals) == [("garbage", True), ("oversize", True), ("truncated", True)]

@@ -7,7 +7,7 @@ import logging
 import pytest
 import trio
 
-from node.shardcast import MANIFEST_PROTOCOL, SHARD_PROTOCOL
+from node.shardcast import MANIFEST_PROTOCOL, SHARD_PROTOCOLS
 from protocol.task import SPECS_TOPIC, task_id
 from protocol.task_machine import Phase
 from tests.tasks.conftest import Swarm, finished, runner, tiny_spec, wait_until, when_update_sent
@@ -128,8 +128,14 @@ async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_th
         # counted its update: the round then closes with it, and its slices are asked of a producer that never
         # serves them. Killed at once instead, a node could hear of the death before the update (trio runs
         # either first) and close the round without it, fetching nothing, and the path would go untried.
-        for protocol in (SHARD_PROTOCOL, MANIFEST_PROTOCOL):
+        for protocol in (*SHARD_PROTOCOLS, MANIFEST_PROTOCOL):
             victim_runner.node.host.set_stream_handler(protocol, never_answer)
+
+        async def answer_nothing(stream, peer, req):
+            await trio.sleep_forever()
+
+        # Streams peers kept open to it from earlier rounds (/shoal/shard/2) go unanswered too.
+        victim_runner.node.shardcast._answer_shard = answer_nothing
         r = victim_runner.machine.current
         await wait_until(lambda: all(victim_id in runner(n, tid).machine.rounds_seen[r].updates for n in nodes[:3]),
                          timeout_s=30, poll_s=0.005)
