@@ -201,3 +201,15 @@ async def test_the_blacklist_teardown_survives_the_peer_being_dropped_while_its_
             await trio.sleep(0.01)
             del pubsub.peers[pid]  # the disconnect got there first
         assert pid not in pubsub.peers
+
+
+def test_yamux_credit_is_batched_unless_the_operator_says_otherwise(monkeypatch):
+    from p2p.host import YAMUX_RELEASE_ON_READ, batch_window_updates
+    from libp2p.stream_muxer.yamux import yamux
+
+    monkeypatch.delenv(YAMUX_RELEASE_ON_READ, raising=False)
+    batch_window_updates()
+    assert yamux._yamux_release_on_read() is False  # the library's own switch, read at call time
+    monkeypatch.setenv(YAMUX_RELEASE_ON_READ, "1")
+    batch_window_updates()
+    assert yamux._yamux_release_on_read() is True
