@@ -135,7 +135,7 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
                 "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
                 "requests_rejected": s.requests_rejected, "limits_hit": s.limits_hit,
                 "local_corruptions": s.local_corruptions, "uploads_refused_seeded": s.uploads_refused_seeded,
-                "seed_copies_again": s.seed_copies_again,
+                "seed_copies_again": s.seed_copies_again, "streams_reused": s.streams_reused,
                 "manifests": len(store.manifest_ids()),
                 "fetches": [asdict(j) for j in list(jobs.values())[-MAX_FETCHES_SHOWN:]]}
 
@@ -160,6 +160,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         for reason, n in s.seed_copies_again.items():
             yield ("shoal_shard_seed_copies_again_total", "counter",
                    "Shards this node published and sent once more (past one copy of the set)", {"reason": reason}, n)
+        yield ("shoal_shard_streams_reused_total", "counter", "Shard requests sent on a kept /shoal/shard/2 stream",
+               {}, s.streams_reused)
         yield ("shoal_shard_fetch_bytes_per_second", "gauge", "Rate of the last completed fetch", {},
                s.last_fetch_bytes_per_s)
 
