@@ -13,6 +13,7 @@ arrives, because yamux drops data the peer has not read when a connection goes d
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,11 +257,22 @@ async def read_control(stream: Stream, deadlines: Deadlines, max_bytes: int, exp
     charged; a reset is not, since a peer that cancels a query resets its stream.
     """
     watched = _Watched(stream)
+    with _judged(watched):
+        try:
+            with trio.fail_after(deadlines.inactivity_s):
+                msg = await recv_message(watched, max_bytes, expect=expect)
+        except trio.TooSlowError:
+            raise Refused("silent", f"no request within {deadlines.inactivity_s} s") from None
+    if msg is None:
+        raise Refused("truncated", "stream ended before the request")
+    return msg
+
+
+@contextlib.contextmanager
+def _judged(watched: _Watched):
+    """A failed read of a request, as the Refused that names what the peer did."""
     try:
-        with trio.fail_after(deadlines.inactivity_s):
-            msg = await recv_message(watched, max_bytes, expect=expect)
-    except trio.TooSlowError:
-        raise Refused("silent", f"no request within {deadlines.inactivity_s} s") from None
+        yield
     except OversizeError as exc:
         raise Refused("oversize", str(exc)) from None
     except RemoteProtocolError as exc:
@@ -269,9 +281,6 @@ async def read_control(stream: Stream, deadlines: Deadlines, max_bytes: int, exp
         if watched.eof:
             raise Refused("truncated", str(exc)) from None
         raise Refused("reset", str(exc), charge=False) from None
-    if msg is None:
-        raise Refused("truncated", "stream ended before the request")
-    return msg
 
 
 async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
@@ -283,18 +292,9 @@ async def read_next_request(stream: Stream, idle_s: float) -> ShardRequest | Non
     """The next request on a kept /shoal/shard/2 stream; None once the receiver closed it at a message boundary or
     let it sit idle for ``idle_s`` (both its right). Refused for what no honest receiver sends."""
     watched = _Watched(stream)
-    try:
-        with trio.move_on_after(idle_s):
-            return await recv_message(watched, CONTROL_MAX_BYTES, expect=ShardRequest)
-        return None
-    except OversizeError as exc:
-        raise Refused("oversize", str(exc)) from None
-    except RemoteProtocolError as exc:
-        raise Refused("garbage", str(exc)) from None
-    except StreamClosed as exc:
-        if watched.eof:
-            raise Refused("truncated", str(exc)) from None
-        raise Refused("reset", str(exc), charge=False) from None
+    with _judged(watched), trio.move_on_after(idle_s):
+        return await recv_message(watched, CONTROL_MAX_BYTES, expect=ShardRequest)
+    return None
 
 
 async def refuse(stream: Stream, req: ShardRequest, status: str, deadlines: Deadlines) -> bool:
