@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -39,7 +38,8 @@ from p2p.interfaces import advertise_dialable_over_mdns, is_unspecified
 from p2p.notifee import ConnectionEvents
 from p2p.nat import NatService
 from p2p.frames import write_whole_frames
-from p2p.wire import count_gossip_bytes, count_wire_bytes, idontwant_for_large_messages_only, omit_sender_records
+from p2p.wire import (batch_window_updates, count_gossip_bytes, count_wire_bytes, idontwant_for_large_messages_only,
+                      omit_sender_records)
 from protocol.errors import PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 
@@ -442,19 +442,6 @@ def _build_libp2p(keypair: Keypair, config: HostConfig) -> tuple[Any, GossipSub,
     guard_identify_push(raw_host, offences)
     guard_pubsub(raw_host, pubsub, offences, max_message_bytes=config.max_gossip_bytes)
     return raw_host, gossipsub, pubsub, offences, PeerGate(raw_host, pubsub, offences)
-
-
-YAMUX_RELEASE_ON_READ = "PY_YAMUX_RELEASE_ON_READ"
-
-
-def batch_window_updates() -> None:
-    """Have py-libp2p's Yamux return receive credit in batches, as go-yamux does.
-
-    By default it sends a window update (one encrypted frame) for every read, about one per 64 KiB on a bulk
-    stream: a fifth of a receiving event loop. With its own switch off, an update goes out once half the window
-    has been read. Measured on loopback, 64 MiB at a time, 12 runs each: a bare stream 310 -> 396 MB/s, the shard
-    protocol 170 -> 222. An operator's own PY_YAMUX_RELEASE_ON_READ is left as it is."""
-    os.environ.setdefault(YAMUX_RELEASE_ON_READ, "0")
 
 
 @asynccontextmanager

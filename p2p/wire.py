@@ -13,11 +13,13 @@ subscriptions, so a user can see where the bytes beyond the streams go.
 
 It also takes off what py-libp2p adds to gossip that Shoal does not use: the signed peer record
 in every RPC (omit_sender_records) and IDONTWANT for messages too small to be worth one
-(idontwant_for_large_messages_only).
+(idontwant_for_large_messages_only), and has Yamux return receive credit in batches rather than one
+window update per read (batch_window_updates).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from libp2p.io.abc import ReadWriteCloser
@@ -139,3 +141,16 @@ def idontwant_for_large_messages_only(gossipsub: Any) -> None:
             await emit(msg_id, topic_ids)
 
     gossipsub._emit_idontwant_for_message = emit_for_large
+
+
+YAMUX_RELEASE_ON_READ = "PY_YAMUX_RELEASE_ON_READ"
+
+
+def batch_window_updates() -> None:
+    """Have py-libp2p's Yamux return receive credit in batches, as go-yamux does.
+
+    By default it sends a window update (one encrypted frame) for every read, about one per 64 KiB on a bulk
+    stream: a fifth of a receiving event loop. With its own switch off, an update goes out once half the window
+    has been read. Measured on loopback, 64 MiB at a time, 12 runs each: a bare stream 310 -> 396 MB/s, the shard
+    protocol 170 -> 222. An operator's own PY_YAMUX_RELEASE_ON_READ is left as it is."""
+    os.environ.setdefault(YAMUX_RELEASE_ON_READ, "0")

@@ -26,7 +26,7 @@ class ShardcastConfig:
     holder; a holder waits twice this for one, then closes the stream (charging nobody)."""
     max_idle_streams_per_peer: int = 8
     """Kept streams a holder leaves waiting for one peer's next request; past it, it closes the stream. An honest
-    fetcher keeps at most max_downloads plus its hedges per holder, and an idle stream is charged for nothing,
+    fetcher keeps at most max_downloads idle per holder, and an idle stream is charged for nothing,
     so this bounds what one identity can hold open for free."""
     have_interval_s: float = 0.1
     """At most one Have per manifest per interval: prompt, yet within gossip rate limits."""

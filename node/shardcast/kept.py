@@ -26,15 +26,12 @@ class KeptStreams:
     def take(self, peer: str, now: float) -> Stream | None:
         """The most recently used idle stream to ``peer`` still within its idle time, or None."""
         streams = self._idle.get(peer)
-        while streams:
-            stream, since = streams.pop()
-            if now - since < self.idle_s:
-                if not streams:
-                    del self._idle[peer]
-                return stream
-            streams.append((stream, since))  # the rest are older still: the sweep closes them
-            break
-        return None
+        if not streams or now - streams[-1][1] >= self.idle_s:
+            return None  # the newest has expired, so the rest have too: the sweep closes them
+        stream, _ = streams.pop()
+        if not streams:
+            del self._idle[peer]
+        return stream
 
     def keep(self, peer: str, stream: Stream, now: float) -> bool:
         """Keep ``stream`` for ``peer``'s next request; False (the caller closes it) when the peer has enough."""

@@ -133,12 +133,14 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
         if keep:
             # The holder reads our next request only after this ack. The shard is ours either way: if the ack
             # cannot go out the stream is reset, and whoever asks on it next is told so (Unanswered).
-            with trio.move_on_after(deadlines.inactivity_s) as waited:
+            acked = False
+            with trio.move_on_after(deadlines.inactivity_s):
                 try:
                     await send_message(stream, ack)
+                    acked = True
                 except StreamClosed:
-                    waited.cancel()
-            if waited.cancelled_caught:
+                    pass
+            if not acked:
                 await abort(stream)
             return STATUS_OK
         # The shard is verified and stored: a lost ack only costs the holder its bookkeeping.

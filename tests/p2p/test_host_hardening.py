@@ -204,7 +204,7 @@ async def test_the_blacklist_teardown_survives_the_peer_being_dropped_while_its_
 
 
 def test_yamux_credit_is_batched_unless_the_operator_says_otherwise(monkeypatch):
-    from p2p.host import YAMUX_RELEASE_ON_READ, batch_window_updates
+    from p2p.wire import YAMUX_RELEASE_ON_READ, batch_window_updates
     from libp2p.stream_muxer.yamux import yamux
 
     monkeypatch.delenv(YAMUX_RELEASE_ON_READ, raising=False)
