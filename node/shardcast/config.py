@@ -121,3 +121,6 @@ class ShardcastStatistics:
     uploads_active: int = 0
     downloads_active: int = 0
     last_fetch_bytes_per_s: float = 0.0
+
+    def hit_limit(self, limit: str) -> None:
+        self.limits_hit[limit] = self.limits_hit.get(limit, 0) + 1

@@ -1,13 +1,11 @@
-"""ShardcastService: publish, announce, serve and fetch verified shards between untrusted peers.
+"""ShardcastService: publish, announce and fetch verified shards between untrusted peers; serving.py serves them.
 
-Past 500 lines: the serving side (_serve_manifest, _serve_shard, the upload limiter and the
-super-seeding choice) shares the holder table and stream-abuse counters with the fetching side;
-splitting it into its own module is the next change to this file, not yet made.
+Past 500 lines: publishing, the holder table, the Haves and fetching share the known manifests, the holders,
+the seeds and the GC lock, and each changes them as the others read them; fetcher.py holds one fetch's choices.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import time
@@ -26,22 +24,21 @@ from protocol.errors import (DecodeError, IntegrityError, LocalStoreError, Remot
                              TransportError)
 from protocol.keys import Keypair
 from protocol.scores import FloodLimiter
-from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_HAVES_PER_MESSAGE, MAX_MANIFEST_BYTES, STATUS_BUSY,
-                               STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Have, Haves, Manifest, ManifestRequest,
-                               ManifestResponse, SignedManifest, bitfield_from_indices, bitfield_indices,
-                               make_manifest, open_manifest, seal_manifest)
+from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_HAVES_PER_MESSAGE, MAX_MANIFEST_BYTES, Have, Haves,
+                               Manifest, ManifestRequest, ManifestResponse, SignedManifest, bitfield_from_indices,
+                               bitfield_indices, make_manifest, open_manifest, seal_manifest)
 
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
 from node.shardcast.kept import KeptStreams, close_kept
 from node.shardcast.seed import Seed
+from node.shardcast.serving import MANIFEST_PROTOCOL, ShardServer
 from node.shardcast.store import ShardStore
 
 log = logging.getLogger(__name__)
 
 TOPIC = "shoal/shards/1"
-MANIFEST_PROTOCOL = "/shoal/manifest/1"
 _RESPONSE_MAX_BYTES = MAX_MANIFEST_BYTES + 64 * 1024
 _MAX_HOLDERS_PER_MANIFEST = 4096
 HASH_THREADS = 2
@@ -67,8 +64,6 @@ class ShardcastService:
         self._holders: OrderedDict[bytes, dict[str, set[int]]] = OrderedDict()
         self._seeds: dict[bytes, Seed] = {}
         self._active_fetches: Counter[bytes] = Counter()
-        self._served_at: dict[bytes, float] = {}
-        """When a peer last asked for each manifest we hold (its manifest, or a shard of it)."""
         self._releasing: dict[bytes, float] = {}
         """Released, each with the time it goes by at the latest: dropped once no fetch of it (ours or a peer's) is
         under way, or by then (see release())."""
@@ -79,29 +74,23 @@ class ShardcastService:
         goes out, after a fetch or in a periodic re-announcement (see fetch())."""
         self._announce_wakeup = trio.Event()
         self._changed = trio.Event()
-        self._upload_limiter = trio.CapacityLimiter(self.config.max_uploads)
         self._download_limiter = trio.CapacityLimiter(self.config.max_downloads)
         self._gc_lock = trio.Lock()
         self._running = False
         self._have_tokens = float(self.config.have_burst)
         self._have_refilled_at = 0.0
-        self._streams_by_peer: Counter[str] = Counter()
-        self._idle_by_peer: Counter[str] = Counter()
-        """Inbound /shoal/shard/2 streams waiting for their peer's next request."""
         self._kept = KeptStreams(idle_s=self.config.stream_idle_s, max_per_peer=self.config.max_downloads)
         """Our idle /shoal/shard/2 streams to holders, for the next request to each."""
         self._rate_by_peer: dict[str, float] = {}
-        self._unknown_requests = FloodLimiter(rate_per_s=self.config.unknown_requests_per_s,
-                                              burst=self.config.unknown_request_burst)
         self._gossip_flood = FloodLimiter(rate_per_s=self.config.gossip_per_s, burst=self.config.gossip_burst)
+        self.server = ShardServer(store=store, config=self.config, stats=self._stats, seeds=self._seeds,
+                                  penalize=self._penalize, lookup=self._lookup, others_hold=self._others_hold)
 
     # lifecycle
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve shards and manifests, follow the gossip topic, announce holdings; never returns."""
-        for protocol in transfer.SHARD_PROTOCOLS:
-            self.host.set_stream_handler(protocol, self._serve_shard)
-        self.host.set_stream_handler(MANIFEST_PROTOCOL, self._serve_manifest)
+        self.server.register(self.host)
         gossip = self.host.subscribe(TOPIC, validator=self._validate_gossip)
         # After a restart, tell the swarm what survived on disk.
         self._dirty.update(self.store.manifest_ids())
@@ -245,11 +234,11 @@ class ShardcastService:
         max_release_hold_s) after this call at the latest, however often peers ask."""
         now, grace = trio.current_time(), self.config.serving_grace_s
         by = now + (self.config.max_release_hold_s if hold_s is None else hold_s)
-        self._served_at = {m: t for m, t in self._served_at.items() if now - t < grace}
+        self.server.forget_served_before(now - grace)
         async with self._gc_lock:
             wanted = {**{m: by for m in manifest_ids}, **self._releasing}
             self._releasing = {m: t for m, t in wanted.items()
-                               if m in self._active_fetches or (m in self._served_at and now < t)}
+                               if m in self._active_fetches or (m in self.server.served_at and now < t)}
             protect = set(self._active_fetches) | self._releasing.keys()
             drop = wanted.keys() - self._releasing.keys()
             await trio.to_thread.run_sync(lambda: self.store.gc(keep_manifests=self.config.keep_manifests,
@@ -288,9 +277,6 @@ class ShardcastService:
             await trio.sleep(self.config.serving_grace_s / 4)
             if self._releasing:
                 await self.release(())
-
-    def _serving(self, manifest_id: bytes) -> None:
-        self._served_at[manifest_id] = trio.current_time()
 
     def export_file(self, manifest: Manifest, path: Path | str) -> None:
         """Write the manifest's content to ``path`` atomically (blocking)."""
@@ -435,17 +421,6 @@ class ShardcastService:
         self._stats.shards_rejected[reason] = self._stats.shards_rejected.get(reason, 0) + 1
         self._penalize(peer, reason)
 
-    def _refuse_request(self, peer: str, reason: str, detail: object, *, charge: bool = True) -> None:
-        """Count an inbound stream we refused and, when the peer is to blame, charge it ``shard_<reason>``."""
-        log.debug("shardcast: refused a stream from %s (%s): %s", peer, reason, detail)
-        rejected = self._stats.requests_rejected
-        rejected[reason] = rejected.get(reason, 0) + 1
-        if charge:
-            self._penalize(peer, f"shard_{reason}")
-
-    def _hit_limit(self, limit: str) -> None:
-        self._stats.limits_hit[limit] = self._stats.limits_hit.get(limit, 0) + 1
-
     # availability
 
     def _remember(self, signed: SignedManifest) -> None:
@@ -453,7 +428,7 @@ class ShardcastService:
         self._known.move_to_end(signed.manifest_id)
         while len(self._known) > self.config.max_known_manifests:
             self._known.popitem(last=False)
-            self._hit_limit("known_manifests")
+            self._stats.hit_limit("known_manifests")
         self._notify()
 
     def _record_holder(self, manifest_id: bytes, peer: str, indices: set[int]) -> None:
@@ -470,11 +445,11 @@ class ShardcastService:
                     self._holders.move_to_end(oldest)
                     break
                 del self._holders[oldest]
-                self._hit_limit("holders")
+                self._stats.hit_limit("holders")
         if peer in holders or len(holders) < _MAX_HOLDERS_PER_MANIFEST:
             holders[peer] = indices
         else:
-            self._hit_limit("holders")
+            self._stats.hit_limit("holders")
         if (seed := self._seeds.get(manifest_id)) is not None:
             seed.heard(peer, indices, trio.current_time())
         self._notify()
@@ -486,7 +461,7 @@ class ShardcastService:
         """Haves may precede their manifest, but invented manifest ids must not evict real holders."""
         unknown = [m for m in self._holders if not self._is_known(m) and m not in self._active_fetches]
         if len(unknown) >= self.config.max_unknown_have_manifests:
-            self._hit_limit("unknown_have_manifests")
+            self._stats.hit_limit("unknown_have_manifests")
             del self._holders[unknown[0]]
 
     def record_rate(self, peer: str, nbytes: int, seconds: float) -> None:
@@ -509,6 +484,9 @@ class ShardcastService:
         connected = set(self.host.connected_peers())
         return any(index in held for peer, held in self.holders(manifest_id).items()
                    if peer != requester and peer in connected)
+
+    def _lookup(self, manifest_id: bytes) -> SignedManifest | None:
+        return self.store.get_manifest(manifest_id) or self._known.get(manifest_id)
 
     def holders(self, manifest_id: bytes) -> dict[str, set[int]]:
         return self._holders.get(manifest_id, {})
@@ -570,7 +548,7 @@ class ShardcastService:
 
     def _validate_gossip(self, msg: GossipMessage) -> bool:
         if not self._gossip_flood.allow(msg.origin, trio.current_time()):
-            self._hit_limit("gossip_flood")
+            self._stats.hit_limit("gossip_flood")
             self._penalize(msg.origin, "shard_gossip_flood")
             return False
         try:
@@ -607,176 +585,6 @@ class ShardcastService:
                     self._stats.gossip_rejected += 1
                     continue
                 self._record_holder(have.manifest_id, signed.signer, bitfield_indices(have.bitfield, have.num_shards))
-
-    # serving
-
-    @contextlib.contextmanager
-    def _admit(self, peer: str):
-        """Count an inbound stream against the per-peer and total caps; yields whether it may proceed."""
-        cfg = self.config
-        if self._streams_by_peer[peer] >= cfg.max_streams_per_peer:
-            self._refuse_request(peer, "too_many_streams", f"{cfg.max_streams_per_peer} already open")
-            yield False
-            return
-        if self._streams_by_peer.total() >= cfg.max_streams:
-            self._hit_limit("streams_total")
-            self._refuse_request(peer, "busy", f"{cfg.max_streams} streams open", charge=False)
-            yield False
-            return
-        self._streams_by_peer[peer] += 1
-        try:
-            yield True
-        finally:
-            self._streams_by_peer[peer] -= 1
-            if not self._streams_by_peer[peer]:
-                del self._streams_by_peer[peer]
-
-    def _allow_unknown(self, peer: str) -> bool:
-        """False (and the peer charged) once it asks for things we do not hold faster than any honest peer."""
-        if self._unknown_requests.allow(peer, trio.current_time()):
-            return True
-        self._refuse_request(peer, "unknown_flood", "too many requests for unknown manifests or shards")
-        return False
-
-    async def _serve_manifest(self, stream: Stream) -> None:
-        peer = stream.remote_peer
-        with self._admit(peer) as admitted:
-            if not admitted:
-                await transfer.abort(stream)
-                return
-            try:
-                req = await transfer.read_control(stream, self.config.deadlines(), 1024, ManifestRequest)
-            except transfer.Refused as exc:
-                self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
-                await transfer.abort(stream)
-                return
-            signed = self.store.get_manifest(req.manifest_id) or self._known.get(req.manifest_id)
-            held = self.store.held_indices(req.manifest_id)
-            if signed is None and not self._allow_unknown(peer):
-                await transfer.abort(stream)
-                return
-            n = signed.manifest.num_shards if signed else 0
-            if held:
-                self._serving(req.manifest_id)
-            try:
-                with trio.fail_after(self.config.inactivity_s):
-                    await send_message(stream, ManifestResponse(
-                        sealed_manifest=signed.sealed if signed else b"",
-                        bitfield=bitfield_from_indices(n, held) if held else b""))
-                    await stream.close()
-            except trio.TooSlowError:
-                self._refuse_request(peer, "stalled", "did not read the manifest response")
-                await transfer.abort(stream)
-            except TransportError as exc:
-                log.debug("shardcast: manifest response to %s failed: %s", peer, exc)
-                await transfer.abort(stream)
-
-    async def _serve_shard(self, stream: Stream) -> None:
-        """One exchange on /shoal/shard/1; on /2, exchanges until the peer closes the stream or leaves it idle.
-
-        A stream counts against the per-peer stream cap while it waits for its first request and during each
-        exchange; between exchanges it counts only as idle (max_idle_streams_per_peer), so a fetcher's kept
-        streams never crowd out its transfers and queries."""
-        peer = stream.remote_peer
-        cfg = self.config
-        req = None
-        while True:
-            with self._admit(peer) as admitted:
-                if not admitted:
-                    await transfer.abort(stream)
-                    return
-                try:
-                    if req is None:
-                        req = await transfer.read_request(stream, cfg.deadlines())
-                except transfer.Refused as exc:
-                    self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
-                    await transfer.abort(stream)
-                    return
-                if not await self._answer_shard(stream, peer, req) or not transfer.keeps_open(stream):
-                    return
-            if (self._idle_by_peer[peer] >= cfg.max_idle_streams_per_peer
-                    or self._idle_by_peer.total() >= cfg.max_streams):
-                await close_kept(stream)
-                return
-            self._idle_by_peer[peer] += 1
-            try:
-                req = await transfer.read_next_request(stream, 2 * cfg.stream_idle_s)
-            except transfer.Refused as exc:
-                self._refuse_request(peer, exc.reason, exc, charge=exc.charge)
-                await transfer.abort(stream)
-                return
-            finally:
-                self._idle_by_peer[peer] -= 1
-                if not self._idle_by_peer[peer]:
-                    del self._idle_by_peer[peer]
-            if req is None:
-                await close_kept(stream)
-                return
-
-    async def _answer_shard(self, stream: Stream, peer: str, req) -> bool:
-        """Answer one request; returns whether the stream is still open for another (on /shoal/shard/2)."""
-        cfg = self.config
-        signed = self.store.get_manifest(req.manifest_id)
-        m = signed.manifest if signed else None
-        if m is None or req.index >= m.num_shards or not self.store.has_shard(m.shard_hashes[req.index]):
-            if self._allow_unknown(peer):
-                return await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
-            await transfer.abort(stream)
-            return False
-        seed = self._seeds.get(req.manifest_id)
-        if seed is not None and seed.decide(req.index, fallback=req.fallback, now=trio.current_time(),
-                                            others_hold=self._others_hold(req.manifest_id, req.index, peer)) != STATUS_OK:
-            self._stats.uploads_refused_seeded += 1
-            return await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
-        try:
-            self._upload_limiter.acquire_nowait()
-        except trio.WouldBlock:
-            self._stats.uploads_refused_busy += 1
-            return await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
-        sha = m.shard_hashes[req.index]
-        self._serving(req.manifest_id)
-        stats = self._stats
-        if seed is not None and seed.reason != "first":
-            stats.seed_copies_again[seed.reason] = stats.seed_copies_again.get(seed.reason, 0) + 1
-        stats.uploads_active += 1
-        started = seed.begin(req.index, trio.current_time()) if seed is not None else 0.0
-        acked = False
-        reusable = False
-
-        def count(nbytes: int) -> None:
-            stats.bytes_served += nbytes
-            stats.bytes_served_by_peer[peer] = stats.bytes_served_by_peer.get(peer, 0) + nbytes
-
-        try:
-            # A shard held in memory is sent from there; ``source`` keeps that memory alive for the whole send.
-            source = self.store.held_in_memory(sha) or self.store.shard_path(sha)
-            result = await transfer.send_shard(stream, req, source=source, sha256=sha,
-                                               nbytes=m.shard_size(req.index), deadlines=cfg.upload_deadlines(),
-                                               on_bytes=count)
-            if result.disk_corrupt:
-                # Our disk, not the receiver that told us: count it locally and charge nobody.
-                stats.local_corruptions += 1
-                log.warning("shardcast: shard %s was corrupt on disk; dropped", sha.hex()[:16])
-                self.store.drop_shard(sha)
-            elif result.ok:
-                stats.shards_served += 1
-                acked = True
-                reusable = True
-        except TransferTimeout as exc:
-            # A receiver that stopped reading is charged; one on a slow link (below min_rate) is only counted.
-            stats.upload_failures += 1
-            self._refuse_request(peer, "stalled" if isinstance(exc, transfer.Stalled) else "slow", exc,
-                                 charge=isinstance(exc, transfer.Stalled))
-        except (RemoteProtocolError, TransportError, OSError) as exc:
-            stats.upload_failures += 1
-            log.debug("shardcast: upload of shard %d to %s failed: %s", req.index, peer, exc)
-        finally:
-            stats.uploads_active -= 1
-            self._upload_limiter.release()
-            self._serving(req.manifest_id)
-            if seed is not None:
-                seed.end(req.index, started, trio.current_time(), ok=acked, peer=peer)
-        return reusable
 
     # housekeeping
 

@@ -488,7 +488,7 @@ async def test_kept_streams_the_holder_closed_as_idle_are_replaced_without_blame
         await rx.service.fetch(manifest_id(first))
         kept = rx.service._kept.count()
         assert kept >= 1
-        await wait_until(lambda: not pub.service._idle_by_peer)  # the holder closed them all
+        await wait_until(lambda: not pub.service.server.idle_streams())  # the holder closed them all
         second = await pub.service.publish_file(sets[1])
         await rx.service.fetch(manifest_id(second))
     stats = rx.service.statistics()

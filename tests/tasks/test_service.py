@@ -135,7 +135,7 @@ async def test_a_producer_killed_as_its_update_goes_out_holds_no_aggregate_to_th
             await trio.sleep_forever()
 
         # Streams peers kept open to it from earlier rounds (/shoal/shard/2) go unanswered too.
-        victim_runner.node.shardcast._answer_shard = answer_nothing
+        victim_runner.node.shardcast.server.answer_shard = answer_nothing
         r = victim_runner.machine.current
         await wait_until(lambda: all(victim_id in runner(n, tid).machine.rounds_seen[r].updates for n in nodes[:3]),
                          timeout_s=30, poll_s=0.005)
