@@ -136,6 +136,7 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
                 "requests_rejected": s.requests_rejected, "limits_hit": s.limits_hit,
                 "local_corruptions": s.local_corruptions, "uploads_refused_seeded": s.uploads_refused_seeded,
                 "seed_copies_again": s.seed_copies_again, "streams_reused": s.streams_reused,
+                "haves_sent": s.haves_sent, "haves_received": s.haves_received,
                 "manifests": len(store.manifest_ids()),
                 "fetches": [asdict(j) for j in list(jobs.values())[-MAX_FETCHES_SHOWN:]]}
 
@@ -162,6 +163,10 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
                    "Shards this node published and sent once more (past one copy of the set)", {"reason": reason}, n)
         yield ("shoal_shard_streams_reused_total", "counter", "Shard requests sent on a kept /shoal/shard/2 stream",
                {}, s.streams_reused)
+        yield ("shoal_shard_haves_total", "counter", "Haves messages on /shoal/have/1 streams", {"direction": "sent"},
+               s.haves_sent)
+        yield ("shoal_shard_haves_total", "counter", "Haves messages on /shoal/have/1 streams",
+               {"direction": "received"}, s.haves_received)
         yield ("shoal_shard_fetch_bytes_per_second", "gauge", "Rate of the last completed fetch", {},
                s.last_fetch_bytes_per_s)
 

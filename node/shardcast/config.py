@@ -34,6 +34,9 @@ class ShardcastConfig:
     reannounce_manifests: int = 8
     """How many of the newest stored manifests each periodic re-announcement covers. Not keep_manifests:
     a task keeps hundreds, and a Have for each at once floods every peer; older ones are found by query."""
+    have_timeout_s: float = 3.0
+    """Haves go to each connected peer on its own stream (node/shardcast/haves.py); a peer that has not taken one
+    within this is skipped for reannounce_interval_s, and learns what we hold by asking."""
     max_haves_per_s: float = 20.0
     have_burst: int = 16
     """Have messages (each covering up to MAX_HAVES_PER_MESSAGE manifests) leave at most max_haves_per_s
@@ -104,7 +107,7 @@ class ShardcastStatistics:
     too_many_streams, unknown_flood (each charged to the peer as ``shard_<reason>``), reset (not charged)."""
     limits_hit: dict[str, int] = field(default_factory=dict)
     """Times a cap on what peers can make us hold was reached, by cap: streams_total, known_manifests,
-    holders, unknown_have_manifests, gossip_flood."""
+    holders, unknown_have_manifests, gossip_flood, have_flood."""
     local_corruptions: int = 0
     """Our own stored shards that failed their hash when read: a local disk fault, charged to nobody."""
     uploads_refused_busy: int = 0
@@ -118,6 +121,9 @@ class ShardcastStatistics:
     streams_reused: int = 0
     """Shard requests sent on a kept stream rather than a new one (/shoal/shard/2)."""
     gossip_rejected: int = 0
+    haves_sent: int = 0
+    """Haves messages written to peers' Have streams, one per peer reached."""
+    haves_received: int = 0
     uploads_active: int = 0
     downloads_active: int = 0
     last_fetch_bytes_per_s: float = 0.0

@@ -19,7 +19,7 @@ import trio
 
 from p2p.api import GossipMessage, Host, Stream
 from p2p.framing import recv_message, send_message
-from protocol.envelope import open_sealed, seal
+from protocol.envelope import open_sealed
 from protocol.errors import (DecodeError, IntegrityError, LocalStoreError, RemoteProtocolError, TransferTimeout,
                              TransportError)
 from protocol.keys import Keypair
@@ -31,6 +31,7 @@ from protocol.manifest import (KIND_FILE, KIND_TENSORS, MAX_HAVES_PER_MESSAGE, M
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
+from node.shardcast.haves import HaveStreams
 from node.shardcast.kept import KeptStreams, close_kept
 from node.shardcast.seed import Seed
 from node.shardcast.serving import MANIFEST_PROTOCOL, ShardServer
@@ -84,7 +85,10 @@ class ShardcastService:
         self._rate_by_peer: dict[str, float] = {}
         self._gossip_flood = FloodLimiter(rate_per_s=self.config.gossip_per_s, burst=self.config.gossip_burst)
         self.server = ShardServer(store=store, config=self.config, stats=self._stats, seeds=self._seeds,
-                                  penalize=self._penalize, lookup=self._lookup, others_hold=self._others_hold)
+                                  penalize=self._penalize, lookup=self._lookup, others_hold=self._others_hold,
+                                  on_haves=self._on_haves)
+        self._have_streams = HaveStreams(host, timeout_s=self.config.have_timeout_s,
+                                         retry_after_s=self.config.reannounce_interval_s)
 
     # lifecycle
 
@@ -516,9 +520,11 @@ class ShardcastService:
                 self._dirty.update(self.store.manifest_ids()[-cfg.reannounce_manifests:])
             dirty, self._dirty = self._dirty, set()
             haves = [have for mid in dirty if (have := self._have(mid)) is not None]
-            for start in range(0, len(haves), MAX_HAVES_PER_MESSAGE):
+            peers = list(self.host.connected_peers())
+            for start in range(0, len(haves) if peers else 0, MAX_HAVES_PER_MESSAGE):
                 await self._take_have_token()
-                await self._gossip(seal(Haves(haves=tuple(haves[start:start + MAX_HAVES_PER_MESSAGE])), self.keypair))
+                await self._have_streams.send(Haves(haves=tuple(haves[start:start + MAX_HAVES_PER_MESSAGE])), peers)
+            self._stats.haves_sent = self._have_streams.sent
             await trio.sleep(cfg.have_interval_s)
 
     async def _take_have_token(self) -> None:
@@ -579,12 +585,27 @@ class ShardcastService:
                     # another signer says nothing about who holds what).
                     self._record_holder(manifest.manifest_id, msg.origin, set(range(manifest.manifest.num_shards)))
                 continue
-            for have in signed.message.haves if isinstance(signed.message, Haves) else (signed.message,):
-                known = self._known.get(have.manifest_id) or self.store.get_manifest(have.manifest_id)
-                if known is not None and known.manifest.num_shards != have.num_shards:
-                    self._stats.gossip_rejected += 1
-                    continue
-                self._record_holder(have.manifest_id, signed.signer, bitfield_indices(have.bitfield, have.num_shards))
+            # Gossiped Haves come from nodes that predate Have streams.
+            self._heard(signed.signer, signed.message.haves if isinstance(signed.message, Haves) else (signed.message,))
+
+    def _on_haves(self, peer: str, haves: Haves) -> bool:
+        """Haves ``peer`` sent on its Have stream; False (and the peer charged) if it sends them faster than any
+        honest node's Have limiter lets out."""
+        if not self._gossip_flood.allow(peer, trio.current_time()):
+            self._stats.hit_limit("have_flood")
+            self._penalize(peer, "shard_have_flood")
+            return False
+        self._stats.haves_received += 1
+        self._heard(peer, haves.haves)
+        return True
+
+    def _heard(self, holder: str, haves) -> None:
+        for have in haves:
+            known = self._known.get(have.manifest_id) or self.store.get_manifest(have.manifest_id)
+            if known is not None and known.manifest.num_shards != have.num_shards:
+                self._stats.gossip_rejected += 1
+                continue
+            self._record_holder(have.manifest_id, holder, bitfield_indices(have.bitfield, have.num_shards))
 
     # housekeeping
 

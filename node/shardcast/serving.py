@@ -2,7 +2,7 @@
 
 The fetching side (service.py, fetcher.py) owns what the node knows of the swarm; the server only reads it:
 the store, the manifests heard over gossip (``lookup``), who else holds a shard (``others_hold``) and the
-super-seeding state of what this node published (``seeds``).
+super-seeding state of what this node published (``seeds``), and hands it the Haves peers send (``on_haves``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import trio
 from p2p.api import Host, Stream
 from p2p.framing import send_message
 from protocol.errors import RemoteProtocolError, TransferTimeout, TransportError
-from protocol.manifest import (STATUS_BUSY, STATUS_MISSING, STATUS_OK, STATUS_SEEDED, ManifestRequest,
+from protocol.manifest import (STATUS_BUSY, STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Haves, ManifestRequest,
                                ManifestResponse, SignedManifest, bitfield_from_indices)
 from protocol.scores import FloodLimiter
 
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
+from node.shardcast.haves import HAVE_PROTOCOL, HAVES_MAX_BYTES
 from node.shardcast.kept import close_kept
 from node.shardcast.seed import Seed
 from node.shardcast.store import ShardStore
@@ -30,6 +31,8 @@ from node.shardcast.store import ShardStore
 log = logging.getLogger(__name__)
 
 MANIFEST_PROTOCOL = "/shoal/manifest/1"
+MAX_HAVE_STREAMS_PER_PEER = 2
+"""Inbound /shoal/have/1 streams one peer may hold open: its kept one, and the next while the last is torn down."""
 
 
 class ShardServer:
@@ -44,7 +47,8 @@ class ShardServer:
     def __init__(self, *, store: ShardStore, config: ShardcastConfig, stats: ShardcastStatistics,
                  seeds: dict[bytes, Seed], penalize: Callable[[str, str], None],
                  lookup: Callable[[bytes], SignedManifest | None],
-                 others_hold: Callable[[bytes, int, str], bool]):
+                 others_hold: Callable[[bytes, int, str], bool],
+                 on_haves: Callable[[str, Haves], bool]):
         self.store = store
         self.config = config
         self._stats = stats
@@ -52,11 +56,13 @@ class ShardServer:
         self._penalize = penalize
         self._lookup = lookup
         self._others_hold = others_hold
+        self._on_haves = on_haves
         self.served_at: dict[bytes, float] = {}
         """When a peer last asked for each manifest we hold (its manifest, or a shard of it)."""
         self._streams_by_peer: Counter[str] = Counter()
         self._idle_by_peer: Counter[str] = Counter()
         """Inbound /shoal/shard/2 streams waiting for their peer's next request."""
+        self._have_streams: Counter[str] = Counter()
         self._upload_limiter = trio.CapacityLimiter(config.max_uploads)
         self._unknown_requests = FloodLimiter(rate_per_s=config.unknown_requests_per_s,
                                               burst=config.unknown_request_burst)
@@ -65,6 +71,7 @@ class ShardServer:
         for protocol in transfer.SHARD_PROTOCOLS:
             host.set_stream_handler(protocol, self.serve_shard)
         host.set_stream_handler(MANIFEST_PROTOCOL, self.serve_manifest)
+        host.set_stream_handler(HAVE_PROTOCOL, self.serve_haves)
 
     def forget_served_before(self, cutoff: float) -> None:
         """Drop the record of askers older than ``cutoff`` (trio time)."""
@@ -144,6 +151,41 @@ class ShardServer:
             except TransportError as exc:
                 log.debug("shardcast: manifest response to %s failed: %s", peer, exc)
                 await transfer.abort(stream)
+
+    async def serve_haves(self, stream: Stream) -> None:
+        """A peer's Haves, each handed to on_haves, until it closes the stream or leaves it idle for twice the
+        re-announcement interval. Kept streams count apart from the others: at most MAX_HAVE_STREAMS_PER_PEER per
+        peer and max_streams in all."""
+        peer = stream.remote_peer
+        cfg = self.config
+        if self._have_streams[peer] >= MAX_HAVE_STREAMS_PER_PEER:
+            self._refuse(peer, "too_many_streams", f"{MAX_HAVE_STREAMS_PER_PEER} Have streams already open")
+            await transfer.abort(stream)
+            return
+        if self._have_streams.total() >= cfg.max_streams:
+            self._stats.hit_limit("streams_total")
+            self._refuse(peer, "busy", f"{cfg.max_streams} Have streams open", charge=False)
+            await transfer.abort(stream)
+            return
+        self._have_streams[peer] += 1
+        try:
+            while True:
+                try:
+                    haves = await transfer.read_next(stream, 2 * cfg.reannounce_interval_s, HAVES_MAX_BYTES, Haves)
+                except transfer.Refused as exc:
+                    self._refuse(peer, exc.reason, exc, charge=exc.charge)
+                    await transfer.abort(stream)
+                    return
+                if haves is None:
+                    await close_kept(stream)
+                    return
+                if not self._on_haves(peer, haves):
+                    await transfer.abort(stream)
+                    return
+        finally:
+            self._have_streams[peer] -= 1
+            if not self._have_streams[peer]:
+                del self._have_streams[peer]
 
     async def serve_shard(self, stream: Stream) -> None:
         """One exchange on /shoal/shard/1; on /2, exchanges until the peer closes the stream or leaves it idle.

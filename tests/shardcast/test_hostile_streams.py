@@ -1,4 +1,4 @@
-"""Hostile input on /shoal/manifest/1, /shoal/shard/1 and the shards topic, over real libp2p hosts.
+"""Hostile input on /shoal/manifest/1, /shoal/shard/1, /shoal/have/1 and the shards topic, over real libp2p hosts.
 
 One node serves; an attacker abuses every input path; an honest peer fetches a fresh file from the
 node after each case. Each case must be counted by reason, charged to the attacker only, and leave
@@ -7,6 +7,7 @@ the node serving the honest peer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -20,7 +21,7 @@ from p2p.api import HostConfig
 from p2p.framing import recv_message, send_message
 from p2p.host import open_host
 from protocol.envelope import seal
-from protocol.errors import IntegrityError, LocalStoreError, PeerUnreachable, TransportError
+from protocol.errors import IntegrityError, LocalStoreError, PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 from protocol.manifest import (KIND_FILE, Have, Haves, ManifestRequest, ShardHeader, ShardRequest, bitfield_from_indices,
                                make_manifest, manifest_id, seal_manifest)
@@ -28,6 +29,8 @@ from protocol.scores import Scoreboard
 
 from node.shardcast import MANIFEST_PROTOCOL, SHARD_PROTOCOL, TOPIC, ShardcastConfig, ShardcastService, ShardStore
 from node.shardcast import transfer
+from node.shardcast.haves import HAVE_PROTOCOL
+from node.shardcast.serving import MAX_HAVE_STREAMS_PER_PEER
 from tests.shardcast.conftest import wait_until
 
 pytestmark = pytest.mark.slow
@@ -192,6 +195,41 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
             assert len(unknown) <= node.config.max_unknown_have_manifests
             await honest_sees_node_alive()
 
+            # (a) and (b) on Have streams: junk, then more streams than one peer needs, then Haves past the rate
+            for reason, payload, half_close in (
+                    ("garbage", struct.pack(">I", 64) + os.urandom(64), True),
+                    ("oversize", b"\xff\xff\xff\xff", False),
+                    ("truncated", struct.pack(">I", 100) + b"\x93\x01", True)):
+                before = rejected(reason)
+                stream = await attacker.open_stream(node_id, HAVE_PROTOCOL)
+                await stream.write(payload)
+                if half_close:
+                    await stream.close_write()
+                await _drain(stream)
+                await expect(reason, before)
+            before = rejected("too_many_streams")
+            kept = []
+            for _ in range(MAX_HAVE_STREAMS_PER_PEER + 2):
+                try:
+                    kept.append(await attacker.open_stream(node_id, HAVE_PROTOCOL))
+                except PeerUnreachable:
+                    pass
+            await wait_until(lambda: rejected("too_many_streams") > before)
+            for s in kept[1:]:
+                await s.reset()
+            flood_before = limits().get("have_flood", 0)
+            invented = Haves(haves=tuple(Have(manifest_id=hashlib.sha256(b"streamed %d" % i).digest(), num_shards=4,
+                                              bitfield=bitfield_from_indices(4, {1})) for i in range(16)))
+            with trio.move_on_after(5), contextlib.suppress(StreamClosed):
+                for _ in range(CFG["gossip_burst"] + 20):
+                    await send_message(kept[0], invented)  # until the node resets the stream
+            await wait_until(lambda: limits().get("have_flood", 0) > flood_before)
+            await kept[0].reset()
+            unknown = [m for m in node._holders if not node._is_known(m)]
+            assert len(unknown) <= node.config.max_unknown_have_manifests
+            await honest_sees_node_alive()
+            assert node.statistics().haves_received > 0 and honest.statistics().haves_sent > 0
+
             # (c) a shard rotted on the honest receiver's own disk: a local error, the producer is not charged
             got_m = await honest.fetch(manifest_id(big_m))
             victim = honest.store.shard_path(got_m.shard_hashes[2])
@@ -220,7 +258,7 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
         assert charges.of(honest_id) == {}, "the honest peer was charged"
         charged = charges.of(attacker_id)
         for reason in ("garbage", "oversize", "truncated", "silent", "stalled", "too_many_streams", "unknown_flood",
-                       "gossip_flood"):
+                       "gossip_flood", "have_flood"):
             assert charged.get(f"shard_{reason}", 0) > 0, (reason, charged)
         assert charges.board.score(attacker_id, trio.current_time()) < 0
         print(f"\nhostile: charged {dict(charged)}; limits {node.statistics().limits_hit}")

@@ -207,6 +207,8 @@ async def test_publisher_uploads_about_one_copy(swarm, num_receivers):
     for r in rxs:
         assert torch.equal(r.service.load_tensors(m)["w"], tensors["w"])
         assert r.service.statistics().bytes_fetched == m.total_bytes
+        assert r.service.statistics().haves_sent > 0  # on Have streams: the publisher learnt where shards went
+    assert pub.service.statistics().haves_received > 0
 
 
 async def test_service_gc_keeps_last_versions(swarm):
@@ -399,7 +401,7 @@ async def test_a_peer_that_keeps_asking_for_a_released_manifest_cannot_keep_it_p
 async def test_a_manifest_gossiped_by_its_signer_is_its_have_and_a_quiet_fetch_announces_nothing(swarm):
     """A publisher sends its manifest and no Have of its own: the manifest says it holds every shard. Data for a few
     known peers (a task's update slice) is published unseeded and fetched quietly: the publisher serves each asker,
-    and no Have of it is gossiped by anyone, then or in a re-announcement."""
+    and no Have of it goes out from anyone, gossiped or on a Have stream, then or in a re-announcement."""
     from protocol.envelope import open_sealed
     from protocol.manifest import Haves, Manifest, layout_tensors
     config = ShardcastConfig(**{**FAST, "reannounce_interval_s": 0.2})
@@ -412,6 +414,12 @@ async def test_a_manifest_gossiped_by_its_signer_is_its_have_and_a_quiet_fetch_a
             sent[_name].append(open_sealed(data, expect=(Manifest, Have, Haves)).message)
             await _gossip(data)
         n.service._gossip = recorded
+        send_haves = n.service._have_streams.send
+
+        async def recorded_haves(haves, peers, _send=send_haves, _name=n.name):
+            sent[_name].append(haves)
+            await _send(haves, peers)
+        n.service._have_streams.send = recorded_haves
     blob = bytearray(os.urandom(40 * 1024))  # 3 shards
     entries, _ = layout_tensors([("payload", "uint8", (len(blob),))])
     with trio.fail_after(20):
