@@ -9,9 +9,10 @@ RemoteProtocolError subclass, never another exception.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import msgpack
 
@@ -81,60 +82,136 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, *wire], use_bin_type=True)
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """Check ``value`` against a type annotation and convert lists to tuples."""
-    origin = typing.get_origin(hint)
+class _Mismatch(DecodeError):
+    """A value that does not match its annotation. Where it sits is added as the error unwinds (``path``, innermost
+    first), so a message that decodes builds no location strings at all."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+        self.path: list[str] = []
+
+    def located(self, root: str) -> DecodeError:
+        return DecodeError(f"{root}{''.join(reversed(self.path))}: {self.reason}")
+
+
+@functools.cache
+def _checker(hint: Any) -> Callable[[Any], Any]:
+    """A function that checks a value against ``hint`` (raising _Mismatch) and converts lists to tuples; built once
+    per annotation."""
     if hint is Any:
-        return value
+        return lambda value: value
+    origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _check(value, option, where)
-            except DecodeError:
-                continue
-        raise DecodeError(f"{where}: {type(value).__name__} matches none of {hint}")
+        options = [_checker(option) for option in typing.get_args(hint)]
+
+        def check_union(value):
+            for option in options:
+                try:
+                    return option(value)
+                except DecodeError:
+                    continue
+            raise _Mismatch(f"{type(value).__name__} matches none of {hint}")
+        return check_union
     if hint is type(None):
-        if value is None:
-            return None
-        raise DecodeError(f"{where}: expected nil")
+        def check_none(value):
+            if value is None:
+                return None
+            raise _Mismatch("expected nil")
+        return check_none
     if origin is tuple:
         args = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise DecodeError(f"{where}: expected an array, got {type(value).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise DecodeError(f"{where}: expected {len(args)} items, got {len(value)}")
-        return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+            item = _checker(args[0])
+
+            def check_sequence(value):
+                if not isinstance(value, list):
+                    raise _Mismatch(f"expected an array, got {type(value).__name__}")
+                try:
+                    return tuple([item(v) for v in value])
+                except _Mismatch:
+                    for i, v in enumerate(value):  # find which item, to say where
+                        try:
+                            item(v)
+                        except _Mismatch as exc:
+                            exc.path.append(f"[{i}]")
+                            raise exc from None
+                    raise
+            return check_sequence
+        items = [_checker(a) for a in args]
+
+        def check_fixed(value):
+            if not isinstance(value, list):
+                raise _Mismatch(f"expected an array, got {type(value).__name__}")
+            if len(items) != len(value):
+                raise _Mismatch(f"expected {len(items)} items, got {len(value)}")
+            out = []
+            for i, (check, v) in enumerate(zip(items, value)):
+                try:
+                    out.append(check(v))
+                except _Mismatch as exc:
+                    exc.path.append(f"[{i}]")
+                    raise
+            return tuple(out)
+        return check_fixed
     if origin is dict:
-        key_t, val_t = typing.get_args(hint)
-        if not isinstance(value, dict):
-            raise DecodeError(f"{where}: expected a map, got {type(value).__name__}")
-        return {_check(k, key_t, f"{where} key"): _check(v, val_t, f"{where}[{k!r}]") for k, v in value.items()}
+        key_check, value_check = (_checker(a) for a in typing.get_args(hint))
+
+        def check_map(value):
+            if not isinstance(value, dict):
+                raise _Mismatch(f"expected a map, got {type(value).__name__}")
+            out = {}
+            for k, v in value.items():
+                try:
+                    key = key_check(k)
+                except _Mismatch as exc:
+                    exc.path.append(" key")
+                    raise
+                try:
+                    out[key] = value_check(v)
+                except _Mismatch as exc:
+                    exc.path.append(f"[{k!r}]")
+                    raise
+            return out
+        return check_map
     if isinstance(hint, type) and hasattr(hint, "TAG"):
-        if not isinstance(value, list) or not value or value[0] != hint.TAG:
-            raise DecodeError(f"{where}: expected a {hint.__name__}")
-        return _build(hint, value[1:], where)
+        def check_message(value):
+            if not isinstance(value, list) or not value or value[0] != hint.TAG:
+                raise _Mismatch(f"expected a {hint.__name__}")
+            return _build(hint, value[1:])
+        return check_message
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise DecodeError(f"{where}: expected a float, got {type(value).__name__}")
+        def check_float(value):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise _Mismatch(f"expected a float, got {type(value).__name__}")
+        return check_float
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise DecodeError(f"{where}: expected an int, got {type(value).__name__}")
+        def check_int(value):
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise _Mismatch(f"expected an int, got {type(value).__name__}")
+        return check_int
     if hint in (str, bytes, bool):
-        if type(value) is hint:
-            return value
-        raise DecodeError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-    raise LocalProtocolError(f"{where}: unsupported annotation {hint!r}")
+        def check_exact(value):
+            if type(value) is hint:
+                return value
+            raise _Mismatch(f"expected {hint.__name__}, got {type(value).__name__}")
+        return check_exact
+    raise LocalProtocolError(f"unsupported annotation {hint!r}")
 
 
-def _build(cls: type[M], values: list, where: str) -> M:
+def _build(cls: type[M], values: list) -> M:
     fields, defaults = _fields(cls), cls.OPTIONAL_TAIL
     if not len(fields) - len(defaults) <= len(values) <= len(fields):
         raise DecodeError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
-    kwargs = {name: _check(v, hint, f"{where}.{name}") for (name, hint), v in zip(fields, values)}
+    kwargs = {}
+    for (name, hint), v in zip(fields, values):
+        try:
+            kwargs[name] = _checker(hint)(v)
+        except _Mismatch as exc:
+            exc.path.append(f".{name}")
+            raise
     if len(values) > len(fields) - len(defaults) and kwargs[fields[len(values) - 1][0]] == \
             defaults[len(values) - 1 - len(fields)]:
         # The encoder leaves a default tail off: one spelling per message, so one hash per message.
@@ -174,4 +251,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX
         raise DecodeError(f"unknown message tag {tag!r}")
     if expect is not None and not issubclass(cls, expect):
         raise DecodeError(f"unexpected {cls.__name__}")
-    return _build(cls, raw[2:], cls.__name__)
+    try:
+        return _build(cls, raw[2:])
+    except _Mismatch as exc:
+        raise exc.located(cls.__name__) from None
