@@ -21,7 +21,7 @@ class ShardcastConfig:
     """The overall deadline assumes at least this rate (2 Mbit/s): slow home links and several
     concurrent transfers must not time out; a stalled peer is caught by inactivity_s instead."""
     stream_open_timeout_s: float = 10.0
-    stream_idle_s: float = 3.0
+    stream_idle_s: float = 10.0
     """A fetcher keeps a /shoal/shard/2 stream this long after an exchange for its next request to the same
     holder; a holder waits twice this for one, then closes the stream (charging nobody)."""
     max_idle_streams_per_peer: int = 8
