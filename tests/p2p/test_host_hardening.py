@@ -203,43 +203,13 @@ async def test_the_blacklist_teardown_survives_the_peer_being_dropped_while_its_
         assert pid not in pubsub.peers
 
 
-async def test_yamux_credit_goes_back_once_half_the_window_is_read(monkeypatch):
-    """1,000 gossip-sized messages and then 4 MiB in 16 KiB writes, each read as it comes: the receiver returns
-    credit a few times per window (py-libp2p's own rule sent an update for nearly every read), and the bulk
-    transfer, which fills the window again and again, still completes."""
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+def test_yamux_credit_is_batched_unless_the_operator_says_otherwise(monkeypatch):
+    from p2p.wire import YAMUX_RELEASE_ON_READ, batch_window_updates
+    from libp2p.stream_muxer.yamux import yamux
 
-    updates: list[int] = []
-    send_update = YamuxStream.send_window_update
-
-    async def counted(self, increment, skip_lock=False):
-        updates.append(increment)
-        await send_update(self, increment, skip_lock=skip_lock)
-
-    monkeypatch.setattr(YamuxStream, "send_window_update", counted)
-    small, bulk = b"s" * 300, b"b" * 16384
-    got = {"small": 0, "bulk": 0}
-    done = trio.Event()
-
-    async def sink(stream):
-        while data := await stream.read(65536):
-            got["small" if data[:1] == b"s" else "bulk"] += len(data)
-            if got["bulk"] >= 4 << 20:
-                break
-        done.set()
-
-    async with open_host(fresh_keypair(), make_config()) as a, open_host(fresh_keypair(), make_config()) as b:
-        b.set_stream_handler("/test/sink", sink)
-        await connect(a, b)
-        stream = await a.open_stream(b.peer_id, "/test/sink")
-        with trio.fail_after(30):
-            for _ in range(1000):
-                await stream.write(small)
-                await trio.sleep(0)  # the sink reads each on its own, as gossip arrives
-            await wait_until(lambda: got["small"] == 300_000)
-            small_updates = len(updates)
-            for _ in range(256):
-                await stream.write(bulk)
-            await done.wait()
-    assert small_updates <= 4, updates
-    assert len(updates) - small_updates <= 4 * 4 + 4, updates  # 4 MiB in 256 KiB windows, half of one each time
+    monkeypatch.delenv(YAMUX_RELEASE_ON_READ, raising=False)
+    batch_window_updates()
+    assert yamux._yamux_release_on_read() is False  # the library's own switch, read at call time
+    monkeypatch.setenv(YAMUX_RELEASE_ON_READ, "1")
+    batch_window_updates()
+    assert yamux._yamux_release_on_read() is True
