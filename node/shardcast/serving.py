@@ -35,6 +35,18 @@ MAX_HAVE_STREAMS_PER_PEER = 2
 """Inbound /shoal/have/1 streams one peer may hold open: its kept one, and the next while the last is torn down."""
 
 
+@contextlib.contextmanager
+def _counted(counter: Counter[str], peer: str):
+    """One more of ``peer``'s streams in ``counter`` while inside; peers with none leave the counter."""
+    counter[peer] += 1
+    try:
+        yield
+    finally:
+        counter[peer] -= 1
+        if not counter[peer]:
+            del counter[peer]
+
+
 class ShardServer:
     """Serves a node's verified shards and manifests to peers; ``register(host)`` installs its handlers.
 
@@ -104,13 +116,8 @@ class ShardServer:
             self._refuse(peer, "busy", f"{cfg.max_streams} streams open", charge=False)
             yield False
             return
-        self._streams_by_peer[peer] += 1
-        try:
+        with _counted(self._streams_by_peer, peer):
             yield True
-        finally:
-            self._streams_by_peer[peer] -= 1
-            if not self._streams_by_peer[peer]:
-                del self._streams_by_peer[peer]
 
     def _allow_unknown(self, peer: str) -> bool:
         """False (and the peer charged) once it asks for things we do not hold faster than any honest peer."""
@@ -167,8 +174,7 @@ class ShardServer:
             self._refuse(peer, "busy", f"{cfg.max_streams} Have streams open", charge=False)
             await transfer.abort(stream)
             return
-        self._have_streams[peer] += 1
-        try:
+        with _counted(self._have_streams, peer):
             while True:
                 try:
                     haves = await transfer.read_next(stream, 2 * cfg.reannounce_interval_s, HAVES_MAX_BYTES, Haves)
@@ -182,10 +188,6 @@ class ShardServer:
                 if not self._on_haves(peer, haves):
                     await transfer.abort(stream)
                     return
-        finally:
-            self._have_streams[peer] -= 1
-            if not self._have_streams[peer]:
-                del self._have_streams[peer]
 
     async def serve_shard(self, stream: Stream) -> None:
         """One exchange on /shoal/shard/1; on /2, exchanges until the peer closes the stream or leaves it idle.
@@ -214,17 +216,13 @@ class ShardServer:
                     or self._idle_by_peer.total() >= cfg.max_streams):
                 await close_kept(stream)
                 return
-            self._idle_by_peer[peer] += 1
             try:
-                req = await transfer.read_next_request(stream, 2 * cfg.stream_idle_s)
+                with _counted(self._idle_by_peer, peer):
+                    req = await transfer.read_next_request(stream, 2 * cfg.stream_idle_s)
             except transfer.Refused as exc:
                 self._refuse(peer, exc.reason, exc, charge=exc.charge)
                 await transfer.abort(stream)
                 return
-            finally:
-                self._idle_by_peer[peer] -= 1
-                if not self._idle_by_peer[peer]:
-                    del self._idle_by_peer[peer]
             if req is None:
                 await close_kept(stream)
                 return

@@ -42,6 +42,13 @@ CFG = dict(shard_bytes=MiB, inactivity_s=1.0, have_interval_s=0.02, busy_retry_s
            keep_manifests=64)
 
 
+MISUSES = (  # (reason, what the attacker writes, whether it then half-closes)
+    ("garbage", struct.pack(">I", 64) + os.urandom(64), True),
+    ("oversize", b"\xff\xff\xff\xff", False),
+    ("truncated", struct.pack(">I", 100) + b"\x93\x01", True),
+    ("silent", b"", False))
+
+
 class Charges:
     """The node's penalize hook: a real Scoreboard plus (peer, reason) counts."""
 
@@ -101,6 +108,16 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
             await wait_until(lambda: rejected(reason) > before)
             await honest_sees_node_alive()
 
+        async def misuse_one_stream(proto: str, reason: str, payload: bytes, half_close: bool) -> None:
+            before = rejected(reason)
+            stream = await attacker.open_stream(node_id, proto)
+            if payload:
+                await stream.write(payload)
+            if half_close:
+                await stream.close_write()
+            await _drain(stream)
+            await expect(reason, before)
+
         with trio.fail_after(120):
             await hosts["honest"].connect(hosts["node"].listen_addrs()[0])
             await attacker.connect(hosts["node"].listen_addrs()[0])
@@ -111,19 +128,8 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
 
             # (a) every way to misuse one stream, on both protocols
             for proto in (MANIFEST_PROTOCOL, SHARD_PROTOCOL):
-                for reason, payload, half_close in (
-                        ("garbage", struct.pack(">I", 64) + os.urandom(64), True),
-                        ("oversize", b"\xff\xff\xff\xff", False),
-                        ("truncated", struct.pack(">I", 100) + b"\x93\x01", True),
-                        ("silent", b"", False)):
-                    before = rejected(reason)
-                    stream = await attacker.open_stream(node_id, proto)
-                    if payload:
-                        await stream.write(payload)
-                    if half_close:
-                        await stream.close_write()
-                    await _drain(stream)
-                    await expect(reason, before)
+                for misuse in MISUSES:
+                    await misuse_one_stream(proto, *misuse)
 
             # a receiver that asks for a real shard and never reads it
             before = rejected("stalled")
@@ -196,17 +202,9 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
             await honest_sees_node_alive()
 
             # (a) and (b) on Have streams: junk, then more streams than one peer needs, then Haves past the rate
-            for reason, payload, half_close in (
-                    ("garbage", struct.pack(">I", 64) + os.urandom(64), True),
-                    ("oversize", b"\xff\xff\xff\xff", False),
-                    ("truncated", struct.pack(">I", 100) + b"\x93\x01", True)):
-                before = rejected(reason)
-                stream = await attacker.open_stream(node_id, HAVE_PROTOCOL)
-                await stream.write(payload)
-                if half_close:
-                    await stream.close_write()
-                await _drain(stream)
-                await expect(reason, before)
+            for misuse in MISUSES:
+                if misuse[0] != "silent":  # an idle Have stream is the sender's right
+                    await misuse_one_stream(HAVE_PROTOCOL, *misuse)
             before = rejected("too_many_streams")
             kept = []
             for _ in range(MAX_HAVE_STREAMS_PER_PEER + 2):
