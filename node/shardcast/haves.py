@@ -23,6 +23,7 @@ from protocol.errors import RemoteProtocolError, TransportError
 from protocol.manifest import Haves
 
 from node.shardcast import transfer
+from node.shardcast.config import ShardcastStatistics
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,13 @@ class HaveStreams:
     it still learns what we hold by asking (a manifest query answers with our bitfield).
     """
 
-    def __init__(self, host: Host, *, timeout_s: float, retry_after_s: float):
+    def __init__(self, host: Host, stats: ShardcastStatistics, *, timeout_s: float, retry_after_s: float):
         self.host = host
+        self._stats = stats
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._streams: dict[str, Stream] = {}
         self._failed_at: dict[str, float] = {}
-        self.sent = 0
-        """Haves messages written, one per peer reached."""
 
     async def send(self, haves: Haves, peers: list[str]) -> None:
         """Write ``haves`` to each of ``peers``, side by side, each bounded by timeout_s."""
@@ -65,7 +65,7 @@ class HaveStreams:
                     stream = await self.host.open_stream(peer, HAVE_PROTOCOL)
                     self._streams[peer] = stream
                 await write_frame(stream, body)
-            self.sent += 1
+            self._stats.haves_sent += 1
         except (TransportError, RemoteProtocolError, trio.TooSlowError) as exc:
             log.debug("shardcast: Haves to %s failed: %s", peer, exc)
             self._failed_at[peer] = trio.current_time()
@@ -77,8 +77,3 @@ class HaveStreams:
             del self._streams[peer]  # its connection is gone, and the stream with it
         for peer in [p for p in self._failed_at if p not in connected]:
             del self._failed_at[peer]
-
-    async def close(self) -> None:
-        streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            await transfer.abort(stream)

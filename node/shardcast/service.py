@@ -87,7 +87,7 @@ class ShardcastService:
         self.server = ShardServer(store=store, config=self.config, stats=self._stats, seeds=self._seeds,
                                   penalize=self._penalize, lookup=self._lookup, others_hold=self._others_hold,
                                   on_haves=self._on_haves)
-        self._have_streams = HaveStreams(host, timeout_s=self.config.have_timeout_s,
+        self._have_streams = HaveStreams(host, self._stats, timeout_s=self.config.have_timeout_s,
                                          retry_after_s=self.config.reannounce_interval_s)
 
     # lifecycle
@@ -524,7 +524,6 @@ class ShardcastService:
             for start in range(0, len(haves) if peers else 0, MAX_HAVES_PER_MESSAGE):
                 await self._take_have_token()
                 await self._have_streams.send(Haves(haves=tuple(haves[start:start + MAX_HAVES_PER_MESSAGE])), peers)
-            self._stats.haves_sent = self._have_streams.sent
             await trio.sleep(cfg.have_interval_s)
 
     async def _take_have_token(self) -> None:

@@ -18,7 +18,7 @@ from p2p.api import Host, Stream
 from p2p.framing import send_message
 from protocol.errors import RemoteProtocolError, TransferTimeout, TransportError
 from protocol.manifest import (STATUS_BUSY, STATUS_MISSING, STATUS_OK, STATUS_SEEDED, Haves, ManifestRequest,
-                               ManifestResponse, SignedManifest, bitfield_from_indices)
+                               ManifestResponse, ShardRequest, SignedManifest, bitfield_from_indices)
 from protocol.scores import FloodLimiter
 
 from node.shardcast import transfer
@@ -175,19 +175,25 @@ class ShardServer:
             await transfer.abort(stream)
             return
         with _counted(self._have_streams, peer):
-            while True:
-                try:
-                    haves = await transfer.read_next(stream, 2 * cfg.reannounce_interval_s, HAVES_MAX_BYTES, Haves)
-                except transfer.Refused as exc:
-                    self._refuse(peer, exc.reason, exc, charge=exc.charge)
-                    await transfer.abort(stream)
-                    return
-                if haves is None:
-                    await close_kept(stream)
-                    return
+            while (haves := await self._next_on_kept(stream, 2 * cfg.reannounce_interval_s, HAVES_MAX_BYTES,
+                                                     Haves)) is not None:
                 if not self._on_haves(peer, haves):
                     await transfer.abort(stream)
                     return
+
+    async def _next_on_kept(self, stream: Stream, idle_s: float, max_bytes: int, expect: type):
+        """The next message on a kept inbound stream; None once the stream is done with: closed when the peer
+        closed it or left it idle for ``idle_s``, reset (and the peer charged where it is to blame) for what
+        no honest peer sends."""
+        try:
+            msg = await transfer.read_next(stream, idle_s, max_bytes, expect)
+        except transfer.Refused as exc:
+            self._refuse(stream.remote_peer, exc.reason, exc, charge=exc.charge)
+            await transfer.abort(stream)
+            return None
+        if msg is None:
+            await close_kept(stream)
+        return msg
 
     async def serve_shard(self, stream: Stream) -> None:
         """One exchange on /shoal/shard/1; on /2, exchanges until the peer closes the stream or leaves it idle.
@@ -216,15 +222,10 @@ class ShardServer:
                     or self._idle_by_peer.total() >= cfg.max_streams):
                 await close_kept(stream)
                 return
-            try:
-                with _counted(self._idle_by_peer, peer):
-                    req = await transfer.read_next_request(stream, 2 * cfg.stream_idle_s)
-            except transfer.Refused as exc:
-                self._refuse(peer, exc.reason, exc, charge=exc.charge)
-                await transfer.abort(stream)
-                return
+            with _counted(self._idle_by_peer, peer):
+                req = await self._next_on_kept(stream, 2 * cfg.stream_idle_s, transfer.CONTROL_MAX_BYTES,
+                                               ShardRequest)
             if req is None:
-                await close_kept(stream)
                 return
 
     async def answer_shard(self, stream: Stream, peer: str, req) -> bool:
@@ -238,8 +239,9 @@ class ShardServer:
             await transfer.abort(stream)
             return False
         seed = self._seeds.get(req.manifest_id)
+        others_hold = seed is not None and self._others_hold(req.manifest_id, req.index, peer)
         if seed is not None and seed.decide(req.index, fallback=req.fallback, now=trio.current_time(),
-                                            others_hold=self._others_hold(req.manifest_id, req.index, peer)) != STATUS_OK:
+                                            others_hold=others_hold) != STATUS_OK:
             self._stats.uploads_refused_seeded += 1
             return await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
         try:

@@ -290,12 +290,6 @@ async def read_request(stream: Stream, deadlines: Deadlines) -> ShardRequest:
     return await read_control(stream, deadlines, CONTROL_MAX_BYTES, ShardRequest)
 
 
-async def read_next_request(stream: Stream, idle_s: float) -> ShardRequest | None:
-    """The next request on a kept /shoal/shard/2 stream; None once the receiver closed it at a message boundary or
-    let it sit idle for ``idle_s`` (both its right). Refused for what no honest receiver sends."""
-    return await read_next(stream, idle_s, CONTROL_MAX_BYTES, ShardRequest)
-
-
 async def read_next(stream: Stream, idle_s: float, max_bytes: int, expect: type):
     """The next message on a kept inbound stream; None once the peer closed it at a message boundary or let it sit
     idle for ``idle_s``. Refused for what no honest peer sends."""

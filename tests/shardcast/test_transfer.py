@@ -13,7 +13,7 @@ from p2p.fake import FakeNetwork
 from p2p.framing import send_message
 from protocol.errors import IntegrityError, OversizeError, RemoteProtocolError, StreamClosed, TransferTimeout
 from protocol.keys import Keypair
-from protocol.manifest import STATUS_BUSY, STATUS_OK, ShardHeader
+from protocol.manifest import STATUS_BUSY, STATUS_OK, ShardHeader, ShardRequest
 
 from node.shardcast import transfer
 from node.shardcast.store import HeldShard, ShardStore
@@ -274,7 +274,7 @@ def _serve_kept(host, *, answers=None, served=None):
                 result = await transfer.send_shard(stream, req, source=src, sha256=hashlib.sha256(data).digest(),
                                                    nbytes=len(data), deadlines=FAST)
                 assert result.ok
-            req = await transfer.read_next_request(stream, 5.0)
+            req = await transfer.read_next(stream, 5.0, transfer.CONTROL_MAX_BYTES, ShardRequest)
         await stream.close()
 
     host.set_stream_handler(transfer.SHARD_PROTOCOL, handler)
@@ -360,12 +360,13 @@ async def test_a_kept_stream_the_holder_closed_fails_unanswered(pair, tmp_path):
 
 
 async def test_the_holder_waits_for_the_next_request_only_so_long(pair):
-    """read_next_request: None at the receiver's clean EOF and after idle_s; charged refusals for junk."""
+    """read_next on a kept shard stream: None at the receiver's clean EOF and after idle_s; charged refusals
+    for junk."""
     a, b = pair
     got = []
 
     async def handler(stream):
-        got.append(await transfer.read_next_request(stream, 0.3))
+        got.append(await transfer.read_next(stream, 0.3, transfer.CONTROL_MAX_BYTES, ShardRequest))
 
     b.set_stream_handler(transfer.SHARD_PROTOCOL, handler)
     with trio.fail_after(10):
@@ -381,7 +382,7 @@ async def test_the_holder_waits_for_the_next_request_only_so_long(pair):
 
     async def judged(stream):
         try:
-            await transfer.read_next_request(stream, 5.0)
+            await transfer.read_next(stream, 5.0, transfer.CONTROL_MAX_BYTES, ShardRequest)
         except transfer.Refused as exc:
             refusals.append((exc.reason, exc.charge))
 
