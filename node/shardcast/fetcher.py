@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import random
@@ -52,6 +53,7 @@ class FetchState:
         self.scopes: dict[tuple[int, bool], trio.CancelScope] = {}
         """(shard, is_hedge) -> the transfer's scope, so the copy that verifies first can cancel its twin."""
         self.shard_s: list[float] = []
+        """Seconds each shard took, kept sorted for its median."""
         self.busy_at: dict[str, float] = {}
         self.seeded_at: dict[int, float] = {}
         self.failed_at: dict[tuple[int, str], float] = {}
@@ -100,7 +102,8 @@ class FetchState:
                 retry_times = [t + cfg.busy_retry_s for t in self.busy_at.values()]
                 retry_times += [t + cfg.reseed_after_s for t in self.seeded_at.values()]
                 retry_times += [t + cfg.failure_backoff_s for t in self.failed_at.values()]
-                retry_times += [t + self._hedge_after_s() for i, t in self.begun.items() if i not in self.hedged]
+                hedge_after_s = self._hedge_after_s()
+                retry_times += [t + hedge_after_s for i, t in self.begun.items() if i not in self.hedged]
                 wake_at = min([wake_at, *[t for t in retry_times if t > now]])
                 with trio.move_on_at(wake_at):
                     await changed.wait()
@@ -109,20 +112,35 @@ class FetchState:
             raise TransferTimeout(f"no shard of {self.manifest.label or self.mid.hex()[:16]} arrived "
                                   f"for {cfg.stall_timeout_s:.0f} s; {len(self.missing)} still missing")
 
-    def _candidates(self, index: int, now: float) -> list[str]:
+    def _eligible(self, now: float) -> dict[str, set[int]]:
+        """Holder -> the shards it holds, for the holders we may ask anything of now.
+
+        Worked out once per pick, not once per missing shard: a fetch of hundreds of shards picks after every
+        shard, and listing the connected peers (a base58 string each) per shard made picking grow with the
+        square of the set."""
         cfg = self.svc.config
         connected = set(self.svc.host.connected_peers())
-        out = []
+        out = {}
         for peer, held in self.svc.holders(self.mid).items():
             if cfg.single_source and peer != self.publisher:
                 continue
-            if index not in held or peer not in connected or peer in self.banned:
+            if peer not in connected or peer in self.banned:
                 continue
             failures = self.peer_failures.get(peer, 0)
             if failures >= cfg.max_failures_per_peer and (
                     now - self.peer_failed_at.get(peer, -float("inf")) < failures * cfg.failure_backoff_s):
                 continue  # a holder that keeps failing rests longer each time, but is never written off
             if now - self.busy_at.get(peer, -float("inf")) < cfg.busy_retry_s:
+                continue
+            out[peer] = held
+        return out
+
+    def _candidates(self, index: int, now: float, eligible: dict[str, set[int]]) -> list[str]:
+        """The holders in ``eligible`` we may ask for shard ``index`` now."""
+        cfg = self.svc.config
+        out = []
+        for peer, held in eligible.items():
+            if index not in held:
                 continue
             if now - self.failed_at.get((index, peer), -float("inf")) < cfg.failure_backoff_s:
                 continue
@@ -133,9 +151,12 @@ class FetchState:
 
     def _pick(self, now: float) -> tuple[int, str, bool] | None:
         """(shard, holder, fallback) to fetch next, or None if nothing can start now."""
+        eligible = self._eligible(now)
+        if not eligible:
+            return None
         best = None
         for index in self.missing - self.inflight.keys() - self.hedged.keys():
-            peers = self._candidates(index, now)
+            peers = self._candidates(index, now, eligible)
             if not peers:
                 continue
             # Rarest first spreads copies; the random tie-break makes receivers begin with different shards.
@@ -158,7 +179,7 @@ class FetchState:
 
     def _hedge_after_s(self) -> float:
         """A shard running this long is overdue: three times the median shard so far, at least hedge_after_s."""
-        typical = sorted(self.shard_s)[len(self.shard_s) // 2] if self.shard_s else 0.0
+        typical = self.shard_s[len(self.shard_s) // 2] if self.shard_s else 0.0
         return max(self.svc.config.hedge_after_s, 3.0 * typical)
 
     def _overdue_peers(self, now: float) -> set[str]:
@@ -168,10 +189,14 @@ class FetchState:
     def _pick_hedge(self, now: float) -> tuple[int, str, bool] | None:
         """With nothing new to ask for, the overdue shard to ask a second holder for, and whom (endgame)."""
         best = None
+        limit = self._hedge_after_s()
+        eligible = None
         for index, begun in self.begun.items():
-            if index in self.hedged or now - begun < self._hedge_after_s():
+            if index in self.hedged or now - begun < limit:
                 continue
-            peers = [p for p in self._candidates(index, now) if p != self.inflight[index]]
+            if eligible is None:
+                eligible = self._eligible(now)
+            peers = [p for p in self._candidates(index, now, eligible) if p != self.inflight[index]]
             if peers and (best is None or begun < best[0]):
                 best = (begun, index, peers)
         if best is None:
@@ -237,7 +262,7 @@ class FetchState:
                 del self.inflight[index]
                 began = self.begun.pop(index)
                 if status == STATUS_OK:
-                    self.shard_s.append(trio.current_time() - began)
+                    bisect.insort(self.shard_s, trio.current_time() - began)
             svc._inflight_by_peer[peer] -= 1
             if not svc._inflight_by_peer[peer]:
                 del svc._inflight_by_peer[peer]
