@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 MANIFEST_PROTOCOL = "/shoal/manifest/1"
 MAX_HAVE_STREAMS_PER_PEER = 2
 """Inbound /shoal/have/1 streams one peer may hold open: its kept one, and the next while the last is torn down."""
+ASKERS_WINDOW_S = 1.0
+"""A peer that asked for a shard this recently shares the upload slots (it retries a busy answer within 0.25 s)."""
 
 
 @contextlib.contextmanager
@@ -45,6 +47,37 @@ def _counted(counter: Counter[str], peer: str):
         counter[peer] -= 1
         if not counter[peer]:
             del counter[peer]
+
+
+class FairUploads:
+    """The upload slots, shared among the peers asking for shards now.
+
+    A peer may hold at most its share of the slots: all of them divided among the peers that asked within the last
+    ``window_s`` (at least one). Without a share, the receiver whose requests reach a publisher first took every
+    slot, and the others were told busy for a second or more with nothing to trade among themselves; alone, a
+    receiver still gets every slot."""
+
+    def __init__(self, slots: int, window_s: float):
+        self.slots = slots
+        self.window_s = window_s
+        self._held: Counter[str] = Counter()
+        self._asked_at: dict[str, float] = {}
+
+    def take(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` may start one more upload now (then release() it when done)."""
+        self._asked_at[peer] = now
+        cutoff = now - self.window_s
+        self._asked_at = {p: t for p, t in self._asked_at.items() if t >= cutoff}
+        share = max(1, self.slots // len(self._asked_at))
+        if self._held.total() >= self.slots or self._held[peer] >= share:
+            return False
+        self._held[peer] += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self._held[peer] -= 1
+        if self._held[peer] <= 0:
+            del self._held[peer]
 
 
 class ShardServer:
@@ -75,7 +108,7 @@ class ShardServer:
         self._idle_by_peer: Counter[str] = Counter()
         """Inbound /shoal/shard/2 streams waiting for their peer's next request."""
         self._have_streams: Counter[str] = Counter()
-        self._upload_limiter = trio.CapacityLimiter(config.max_uploads)
+        self._uploads = FairUploads(config.max_uploads, ASKERS_WINDOW_S)
         self._unknown_requests = FloodLimiter(rate_per_s=config.unknown_requests_per_s,
                                               burst=config.unknown_request_burst)
 
@@ -244,9 +277,7 @@ class ShardServer:
                                             others_hold=others_hold) != STATUS_OK:
             self._stats.uploads_refused_seeded += 1
             return await transfer.refuse(stream, req, STATUS_SEEDED, cfg.deadlines())
-        try:
-            self._upload_limiter.acquire_nowait()
-        except trio.WouldBlock:
+        if not self._uploads.take(peer, trio.current_time()):
             self._stats.uploads_refused_busy += 1
             return await transfer.refuse(stream, req, STATUS_BUSY, cfg.deadlines())
         sha = m.shard_hashes[req.index]
@@ -286,7 +317,7 @@ class ShardServer:
             log.debug("shardcast: upload of shard %d to %s failed: %s", req.index, peer, exc)
         finally:
             stats.uploads_active -= 1
-            self._upload_limiter.release()
+            self._uploads.release(peer)
             self._serving(req.manifest_id)
             if seed is not None:
                 seed.end(req.index, started, trio.current_time(), ok=acked, peer=peer)
