@@ -24,7 +24,7 @@ from protocol.envelope import seal
 from protocol.errors import IntegrityError, LocalStoreError, PeerUnreachable, StreamClosed, TransportError
 from protocol.keys import Keypair
 from protocol.manifest import (KIND_FILE, Have, Haves, ManifestRequest, ShardHeader, ShardRequest, bitfield_from_indices,
-                               make_manifest, manifest_id, seal_manifest)
+                               STATUS_SEEDED, make_manifest, manifest_id, seal_manifest)
 from protocol.scores import Scoreboard
 
 from node.shardcast import MANIFEST_PROTOCOL, SHARD_PROTOCOL, TOPIC, ShardcastConfig, ShardcastService, ShardStore
@@ -243,11 +243,17 @@ async def test_abuse_is_counted_charged_and_survived(tmp_path):
             sha = big_m.shard_hashes[1]
             path = node.store.shard_path(sha)
             path.write_bytes(os.urandom(path.stat().st_size))
-            stream = await hosts["honest"].open_stream(node_id, SHARD_PROTOCOL)
-            with pytest.raises(IntegrityError):
-                await transfer.fetch_shard(stream, ShardStore.open(tmp_path / "scratch"),
-                                           manifest_id=manifest_id(big_m), index=1, sha256=sha, nbytes=MiB,
-                                           deadlines=node.config.deadlines(), fallback=True)
+            # The node published big_m and seeds it: a shard it sent out less than its unheard wait ago (3 s) is
+            # answered "seeded" (get it from whoever took it), as any requester is told; ask again as a fetcher would.
+            scratch = ShardStore.open(tmp_path / "scratch")
+            with pytest.raises(IntegrityError), trio.fail_after(4 * node.config.reseed_after_s):
+                while True:
+                    stream = await hosts["honest"].open_stream(node_id, SHARD_PROTOCOL)
+                    status = await transfer.fetch_shard(stream, scratch, manifest_id=manifest_id(big_m), index=1,
+                                                        sha256=sha, nbytes=MiB, deadlines=node.config.deadlines(),
+                                                        fallback=True)
+                    assert status == STATUS_SEEDED, status
+                    await trio.sleep(node.config.busy_retry_s)
             await wait_until(lambda: node.statistics().local_corruptions == 1)
             assert not node.store.has_shard(sha)
             await honest_sees_node_alive()
