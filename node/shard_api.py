@@ -135,6 +135,7 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
                 "shards_fetched": s.shards_fetched, "shards_rejected": s.shards_rejected,
                 "requests_rejected": s.requests_rejected, "limits_hit": s.limits_hit,
                 "local_corruptions": s.local_corruptions, "uploads_refused_seeded": s.uploads_refused_seeded,
+                "uploads_refused_busy": s.uploads_refused_busy, "uploads_passed_on": s.uploads_passed_on,
                 "seed_copies_again": s.seed_copies_again, "streams_reused": s.streams_reused,
                 "haves_sent": s.haves_sent, "haves_received": s.haves_received,
                 "manifests": len(store.manifest_ids()),

@@ -189,14 +189,17 @@ class ShardAck:
     reason: str
 
 
-@message(tag=45)
+@message(tag=45, optional_tail=("arriving",))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Have:
-    """Which shards of a manifest the signer holds, verified, right now."""
+    """Which shards of a manifest the signer holds, verified, right now; and which are on their way to it
+    (``arriving``, empty or a bitfield like ``bitfield``), which it passes on as they arrive, the last bytes of each
+    only once it verified the whole shard."""
 
     manifest_id: bytes
     num_shards: int
     bitfield: bytes
+    arriving: bytes = b""
 
     def __post_init__(self) -> None:
         _check_hash(self.manifest_id, "manifest_id")
@@ -204,6 +207,8 @@ class Have:
             raise ValueError("num_shards out of range")
         if len(self.bitfield) != (self.num_shards + 7) // 8:
             raise ValueError("bitfield length does not match num_shards")
+        if self.arriving and len(self.arriving) != len(self.bitfield):
+            raise ValueError("arriving bitfield length does not match num_shards")
 
 
 MAX_HAVES_PER_MESSAGE = 16

@@ -42,6 +42,9 @@ class ShardcastConfig:
     """Have messages (each covering up to MAX_HAVES_PER_MESSAGE manifests) leave at most max_haves_per_s
     after a burst of have_burst, so announcements never crowd out the heartbeats and task messages that
     share the gossip queues."""
+    pass_on_arriving: bool = True
+    """Announce the shards on their way to us and serve them on as they arrive, each one's last bytes only once
+    it verified here (node/shardcast/incoming.py); else a shard is served only once it is whole and stored."""
     busy_retry_s: float = 0.25
     """After a holder answers "busy" (its upload slots are full), ask it for nothing for this long."""
     reseed_after_s: float = 3.0
@@ -113,6 +116,8 @@ class ShardcastStatistics:
     uploads_refused_busy: int = 0
     uploads_refused_seeded: int = 0
     """Requests a seeding publisher sent to the swarm instead (it already sent that shard out)."""
+    uploads_passed_on: int = 0
+    """Uploads begun while the shard was still arriving here (served on as it came, incoming.py)."""
     seed_copies_again: dict[str, int] = field(default_factory=dict)
     """Uploads a seeding publisher began of a shard it had sent out already, by why (node/shardcast/seed.py
     Seed.reason): overdue, unheard, unreachable. Each one that completes is upload past one copy of the set."""

@@ -121,7 +121,7 @@ class FetchState:
         cfg = self.svc.config
         connected = set(self.svc.host.connected_peers())
         out = {}
-        for peer, held in self.svc.holders(self.mid).items():
+        for peer, held in self.svc.sources(self.mid).items():
             if cfg.single_source and peer != self.publisher:
                 continue
             if peer not in connected or peer in self.banned:
@@ -166,16 +166,34 @@ class FetchState:
         if best is None:
             return None
         _, index, peers = best
-        others = [p for p in peers if p != self.publisher]
-        # The publisher's upload must not grow with the number of receivers: it is the last resort.
-        pool = others or peers
+        held, arriving = self._others(index, peers)
+        # The publisher's upload must not grow with the number of receivers: it is the last resort. A shard only
+        # arriving elsewhere is asked of the publisher first, which sends us to the swarm (and is not asked again
+        # for a while) or, if its first copy is overdue (a slow recipient, passing it on as slowly), sends another;
+        # then of a holder it is arriving at, unless we measured that holder slow.
+        if held:
+            pool = held
+        elif self.publisher in peers:
+            pool = [self.publisher]
+        else:
+            pool = [p for p in arriving if not self.svc.is_slow(p)] or peers
         # A holder with an overdue transfer to us is slow (or hostile): ask it only if nobody else has the shard.
         overdue = self._overdue_peers(now)
         pool = [p for p in pool if p not in overdue] or pool
         peer = min(pool, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
-        # Fallback tells a seeding publisher that nobody else can serve us this shard now.
-        fallback = self.svc.config.single_source or not others
+        # Fallback tells a seeding publisher that nobody else holds this shard whole to serve us now; if its first
+        # copy is overdue (a slow recipient passing it on as slowly), it may then send another.
+        fallback = self.svc.config.single_source or not held
         return index, peer, fallback
+
+    def _others(self, index: int, peers: list[str]) -> tuple[list[str], list[str]]:
+        """Of ``peers``, those other than the publisher holding shard ``index`` whole, and those it is arriving at."""
+        arriving = self.svc.arriving(self.mid)
+        held, coming = [], []
+        for p in peers:
+            if p != self.publisher:
+                (coming if index in arriving.get(p, ()) else held).append(p)
+        return held, coming
 
     def _hedge_after_s(self) -> float:
         """A shard running this long is overdue: three times the median shard so far, at least hedge_after_s."""
@@ -202,9 +220,9 @@ class FetchState:
         if best is None:
             return None
         _, index, peers = best
-        others = [p for p in peers if p != self.publisher]
-        peer = min(others or peers, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
-        return index, peer, not others
+        held, arriving = self._others(index, peers)
+        peer = min(held or arriving or peers, key=lambda p: (self.svc.expected_finish_s(p), random.random()))
+        return index, peer, not held
 
     async def _fetch_one(self, index: int, peer: str, fallback: bool, hedge: bool = False) -> None:
         with trio.CancelScope() as scope:
@@ -280,9 +298,13 @@ class FetchState:
         return status
 
     async def _ask(self, stream, index: int, size: int, fallback: bool) -> str:
-        return await transfer.fetch_shard(stream, self.svc.store, manifest_id=self.mid, index=index,
+        svc = self.svc
+        # A quiet manifest sends no Haves, so nobody would ask us for its shards while they arrive.
+        passing_on = svc.config.pass_on_arriving and self.mid not in svc._quiet
+        return await transfer.fetch_shard(stream, svc.store, manifest_id=self.mid, index=index,
                                           sha256=self.manifest.shard_hashes[index], nbytes=size,
-                                          deadlines=self.svc.config.download_deadlines(), fallback=fallback)
+                                          deadlines=svc.config.download_deadlines(), fallback=fallback,
+                                          incoming=svc.incoming if passing_on else None)
 
     def _done(self, index: int, peer: str, size: int) -> None:
         svc = self.svc

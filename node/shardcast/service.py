@@ -32,6 +32,7 @@ from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.fetcher import FetchProgress, FetchState
 from node.shardcast.haves import HaveStreams
+from node.shardcast.incoming import IncomingShards
 from node.shardcast.kept import KeptStreams, close_kept
 from node.shardcast.seed import Seed
 from node.shardcast.serving import MANIFEST_PROTOCOL, ShardServer
@@ -63,6 +64,8 @@ class ShardcastService:
         self._stats = ShardcastStatistics()
         self._known: OrderedDict[bytes, SignedManifest] = OrderedDict()
         self._holders: OrderedDict[bytes, dict[str, set[int]]] = OrderedDict()
+        self._arriving: dict[bytes, dict[str, set[int]]] = {}
+        """Of the peers in _holders, the shards each announced as on their way to it (passed on as they arrive)."""
         self._seeds: dict[bytes, Seed] = {}
         self._active_fetches: Counter[bytes] = Counter()
         self._releasing: dict[bytes, float] = {}
@@ -84,9 +87,10 @@ class ShardcastService:
         """Our idle /shoal/shard/2 streams to holders, for the next request to each."""
         self._rate_by_peer: dict[str, float] = {}
         self._gossip_flood = FloodLimiter(rate_per_s=self.config.gossip_per_s, burst=self.config.gossip_burst)
+        self.incoming = IncomingShards(on_change=self._mark_dirty)
         self.server = ShardServer(store=store, config=self.config, stats=self._stats, seeds=self._seeds,
                                   penalize=self._penalize, lookup=self._lookup, others_hold=self._others_hold,
-                                  on_haves=self._on_haves)
+                                  on_haves=self._on_haves, incoming=self.incoming)
         self._have_streams = HaveStreams(host, self._stats, timeout_s=self.config.have_timeout_s,
                                          retry_after_s=self.config.reannounce_interval_s)
 
@@ -435,7 +439,7 @@ class ShardcastService:
             self._stats.hit_limit("known_manifests")
         self._notify()
 
-    def _record_holder(self, manifest_id: bytes, peer: str, indices: set[int]) -> None:
+    def _record_holder(self, manifest_id: bytes, peer: str, indices: set[int], arriving: set[int] = frozenset()) -> None:
         if peer == self.host.peer_id:
             return
         holders = self._holders.get(manifest_id)
@@ -449,9 +453,14 @@ class ShardcastService:
                     self._holders.move_to_end(oldest)
                     break
                 del self._holders[oldest]
+                self._arriving.pop(oldest, None)
                 self._stats.hit_limit("holders")
         if peer in holders or len(holders) < _MAX_HOLDERS_PER_MANIFEST:
             holders[peer] = indices
+            if arriving:
+                self._arriving.setdefault(manifest_id, {})[peer] = set(arriving) - indices
+            elif manifest_id in self._arriving:
+                self._arriving[manifest_id].pop(peer, None)
         else:
             self._stats.hit_limit("holders")
         if (seed := self._seeds.get(manifest_id)) is not None:
@@ -467,6 +476,7 @@ class ShardcastService:
         if len(unknown) >= self.config.max_unknown_have_manifests:
             self._stats.hit_limit("unknown_have_manifests")
             del self._holders[unknown[0]]
+            self._arriving.pop(unknown[0], None)
 
     def record_rate(self, peer: str, nbytes: int, seconds: float) -> None:
         """Fold one verified shard's download rate from ``peer`` into its moving average."""
@@ -493,10 +503,36 @@ class ShardcastService:
         return self.store.get_manifest(manifest_id) or self._known.get(manifest_id)
 
     def holders(self, manifest_id: bytes) -> dict[str, set[int]]:
+        """Peer -> the shards it announced it holds, verified."""
         return self._holders.get(manifest_id, {})
+
+    def sources(self, manifest_id: bytes) -> dict[str, set[int]]:
+        """Peer -> the shards we may ask it for: those it holds and, when we pass shards on too, those arriving."""
+        held = self.holders(manifest_id)
+        arriving = self._arriving.get(manifest_id) if self.config.pass_on_arriving else None
+        if not arriving:
+            return held
+        out = dict(held)
+        for peer, indices in arriving.items():
+            if indices and peer in out:
+                out[peer] = out[peer] | indices
+        return out
+
+    def arriving(self, manifest_id: bytes) -> dict[str, set[int]]:
+        """Peer -> the shards it announced as on their way to it (empty unless we pass shards on too)."""
+        return self._arriving.get(manifest_id, {}) if self.config.pass_on_arriving else {}
+
+    def is_slow(self, peer: str) -> bool:
+        """Whether shards from ``peer`` came at under a quarter of the median rate of the holders we measured."""
+        rate = self._rate_by_peer.get(peer)
+        if rate is None or len(self._rate_by_peer) < 2:
+            return False
+        rates = sorted(self._rate_by_peer.values())
+        return rate < 0.25 * rates[len(rates) // 2]
 
     def forget_holding(self, manifest_id: bytes, peer: str, index: int) -> None:
         self._holders.get(manifest_id, {}).get(peer, set()).discard(index)
+        self._arriving.get(manifest_id, {}).get(peer, set()).discard(index)
 
     def _keep_quiet(self, manifest_id: bytes) -> None:
         self._quiet[manifest_id] = None
@@ -543,7 +579,11 @@ class ShardcastService:
             return None
         n = signed.manifest.num_shards
         held = self.store.held_indices(manifest_id)
-        return Have(manifest_id=manifest_id, num_shards=n, bitfield=bitfield_from_indices(n, held)) if held else None
+        arriving = self.incoming.indices(manifest_id) - held if self.config.pass_on_arriving else set()
+        if not held and not arriving:
+            return None
+        return Have(manifest_id=manifest_id, num_shards=n, bitfield=bitfield_from_indices(n, held),
+                    arriving=bitfield_from_indices(n, arriving) if arriving else b"")
 
     async def _gossip(self, data: bytes) -> None:
         try:
@@ -604,7 +644,8 @@ class ShardcastService:
             if known is not None and known.manifest.num_shards != have.num_shards:
                 self._stats.gossip_rejected += 1
                 continue
-            self._record_holder(have.manifest_id, holder, bitfield_indices(have.bitfield, have.num_shards))
+            self._record_holder(have.manifest_id, holder, bitfield_indices(have.bitfield, have.num_shards),
+                                bitfield_indices(have.arriving, have.num_shards) if have.arriving else frozenset())
 
     # housekeeping
 

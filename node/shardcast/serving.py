@@ -24,6 +24,7 @@ from protocol.scores import FloodLimiter
 from node.shardcast import transfer
 from node.shardcast.config import ShardcastConfig, ShardcastStatistics
 from node.shardcast.haves import HAVE_PROTOCOL, HAVES_MAX_BYTES
+from node.shardcast.incoming import IncomingShards
 from node.shardcast.kept import close_kept
 from node.shardcast.seed import Seed
 from node.shardcast.store import ShardStore
@@ -93,8 +94,10 @@ class ShardServer:
                  seeds: dict[bytes, Seed], penalize: Callable[[str, str], None],
                  lookup: Callable[[bytes], SignedManifest | None],
                  others_hold: Callable[[bytes, int, str], bool],
-                 on_haves: Callable[[str, Haves], bool]):
+                 on_haves: Callable[[str, Haves], bool], incoming: IncomingShards | None = None):
         self.store = store
+        self.incoming = incoming or IncomingShards()
+        """Shards still arriving here, served on as they come (incoming.py)."""
         self.config = config
         self._stats = stats
         self._seeds = seeds
@@ -266,7 +269,11 @@ class ShardServer:
         cfg = self.config
         signed = self.store.get_manifest(req.manifest_id)
         m = signed.manifest if signed else None
-        if m is None or req.index >= m.num_shards or not self.store.has_shard(m.shard_hashes[req.index]):
+        arriving = None
+        if m is not None and req.index < m.num_shards and not self.store.has_shard(m.shard_hashes[req.index]):
+            arriving = self.incoming.get(req.manifest_id, req.index)
+        if m is None or req.index >= m.num_shards or (arriving is None
+                                                      and not self.store.has_shard(m.shard_hashes[req.index])):
             if self._allow_unknown(peer):
                 return await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
             await transfer.abort(stream)
@@ -295,7 +302,9 @@ class ShardServer:
 
         try:
             # A shard held in memory is sent from there; ``source`` keeps that memory alive for the whole send.
-            source = self.store.held_in_memory(sha) or self.store.shard_path(sha)
+            source = arriving or self.store.held_in_memory(sha) or self.store.shard_path(sha)
+            if arriving is not None:
+                stats.uploads_passed_on += 1
             result = await transfer.send_shard(stream, req, source=source, sha256=sha,
                                                nbytes=m.shard_size(req.index), deadlines=cfg.upload_deadlines(),
                                                on_bytes=count)

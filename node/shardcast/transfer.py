@@ -27,6 +27,7 @@ from protocol.errors import (DecodeError, IntegrityError, OversizeError, RemoteP
                              TransferTimeout)
 from protocol.manifest import STATUS_OK, ShardAck, ShardHeader, ShardRequest
 
+from node.shardcast.incoming import Incoming, IncomingShards, UpstreamFailed
 from node.shardcast.store import HeldShard, ShardStore
 
 SHARD_PROTOCOL = "/shoal/shard/2"
@@ -84,8 +85,10 @@ async def abort(stream: Stream) -> None:
 
 
 async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, index: int, sha256: bytes,
-                      nbytes: int, deadlines: Deadlines, fallback: bool = False) -> str:
+                      nbytes: int, deadlines: Deadlines, fallback: bool = False,
+                      incoming: IncomingShards | None = None) -> str:
     """Ask for one shard and store it verified; returns the holder's status ("ok", "busy", "missing").
+    With ``incoming``, the body is registered there as it arrives, for our server to pass on (incoming.py).
 
     Raises IntegrityError, OversizeError or DecodeError when the holder sent something we refuse
     (its fault), TransferTimeout when it went quiet, Unanswered when the stream ended or failed before
@@ -94,6 +97,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
     is closed.
     """
     writer = None
+    arriving = None
     nacked = False
     keep = keeps_open(stream)
     try:
@@ -116,7 +120,9 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
                 raise IntegrityError(f"header promises {header.nbytes} bytes / another hash; "
                                      f"the manifest says {nbytes} bytes")
             writer = store.shard_writer(sha256, nbytes)
-            await _receive_body(stream, writer, nbytes, deadlines)
+            if incoming is not None:
+                arriving = incoming.begin(manifest_id, index, sha256, nbytes)
+            await _receive_body(stream, writer, nbytes, deadlines, arriving)
             # On /2 bytes past the body would be read as the next header, and refused there.
             if not keep and await _step(deadlines, stream.read(1)):
                 raise OversizeError(f"holder sent more than the announced {nbytes} bytes")
@@ -127,6 +133,8 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
                 await _send_nack(stream, manifest_id, index, str(exc))
                 nacked = True
                 raise
+            if arriving is not None:
+                arriving.finish(True)  # verified: whoever we pass it on to gets its last bytes now
             await trio.to_thread.run_sync(writer.commit)
             writer = None
         ack = ShardAck(manifest_id=manifest_id, index=index, ok=True, reason="")
@@ -159,11 +167,14 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
             await abort(stream)
         raise
     finally:
+        if arriving is not None:
+            incoming.end(arriving, ok=writer is None)
         if writer is not None:
             writer.abort()
 
 
-async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadlines) -> None:
+async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadlines,
+                        arriving: Incoming | None = None) -> None:
     """Read a shard's bytes on the event loop while a worker thread hashes and writes the batch before.
 
     hashlib and file writes release the GIL on large buffers, so the thread runs beside the loop
@@ -175,7 +186,7 @@ async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadline
         nursery.start_soon(_write_batches, receive, writer, failure)
         async with send:
             try:
-                await _read_batches(stream, send, nbytes, deadlines, failure)
+                await _read_batches(stream, send, nbytes, deadlines, failure, arriving)
             except Exception as exc:  # re-raised below as itself, not inside the nursery's exception group
                 failure.append(exc)
     if failure:
@@ -183,7 +194,7 @@ async def _receive_body(stream: Stream, writer, nbytes: int, deadlines: Deadline
 
 
 async def _read_batches(stream: Stream, send: trio.MemorySendChannel[list], nbytes: int,
-                        deadlines: Deadlines, failure: list) -> None:
+                        deadlines: Deadlines, failure: list, arriving: Incoming | None) -> None:
     """The chunks as read, handed over uncopied in batches of about WRITE_BATCH_BYTES."""
     received = 0
     batch: list = []
@@ -199,6 +210,8 @@ async def _read_batches(stream: Stream, send: trio.MemorySendChannel[list], nbyt
             batch.append(chunk)
             batched += len(chunk)
             received += len(chunk)
+            if arriving is not None:
+                arriving.add(chunk)
             if batched >= WRITE_BATCH_BYTES:
                 reading.deadline = math.inf
                 await send.send(batch)
@@ -347,12 +360,14 @@ def _chunks_of(source: Path | HeldShard, nbytes: int):
             yield chunk
 
 
-async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldShard, sha256: bytes, nbytes: int,
-                     deadlines: Deadlines, on_bytes: Callable[[int], None] | None = None) -> SendResult:
-    """Serve one shard from ``source`` (its file, or its pieces in memory) and wait for the receiver's ack; then
-    close, or on /shoal/shard/2 leave the stream open for the receiver's next request.
+async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldShard | Incoming, sha256: bytes,
+                     nbytes: int, deadlines: Deadlines, on_bytes: Callable[[int], None] | None = None) -> SendResult:
+    """Serve one shard from ``source`` (its file, its pieces in memory, or the chunks of a transfer still arriving)
+    and wait for the receiver's ack; then close, or on /shoal/shard/2 leave the stream open for the receiver's next
+    request.
 
-    Raises TransferTimeout, StreamClosed or a RemoteProtocolError; the stream is reset then.
+    Raises TransferTimeout, StreamClosed, UpstreamFailed (a shard passed on as it arrived did not verify) or a
+    RemoteProtocolError; the stream is reset then.
     """
     sent = 0
     keep = keeps_open(stream)
@@ -360,15 +375,23 @@ async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldSh
         with trio.fail_after(deadlines.overall_s(nbytes)):
             await _step(deadlines, send_message(stream, ShardHeader(manifest_id=req.manifest_id, index=req.index,
                                                                      status=STATUS_OK, nbytes=nbytes, sha256=sha256)))
-            chunks = _chunks_of(source, nbytes)
-            try:
-                for chunk in chunks:
+            if isinstance(source, Incoming):
+                # Waiting for bytes still on their way to us is not the receiver's doing: only writes are bounded.
+                async for chunk in source.follow():
                     await _step(deadlines, stream.write(chunk))
                     sent += len(chunk)
                     if on_bytes is not None:
                         on_bytes(len(chunk))
-            finally:
-                chunks.close()  # its file, now rather than when the generator is collected
+            else:
+                chunks = _chunks_of(source, nbytes)
+                try:
+                    for chunk in chunks:
+                        await _step(deadlines, stream.write(chunk))
+                        sent += len(chunk)
+                        if on_bytes is not None:
+                            on_bytes(len(chunk))
+                finally:
+                    chunks.close()  # its file, now rather than when the generator is collected
             if not keep:
                 await _step(deadlines, stream.close_write())
             ack = await _step(deadlines, recv_message(stream, CONTROL_MAX_BYTES, expect=ShardAck))
@@ -383,7 +406,7 @@ async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldSh
                 except StreamClosed:
                     pass
         corrupt = sent != nbytes
-        if not ack.ok and not corrupt and not isinstance(source, HeldShard):
+        if not ack.ok and not corrupt and isinstance(source, Path):
             # Hashing every shard while sending would cost the sender a fifth of its CPU; the store
             # verified it when loading, so only a receiver's complaint makes us look at the disk again.
             corrupt = (await trio.to_thread.run_sync(ShardStore.hash_file, source))[0] != sha256
@@ -391,6 +414,6 @@ async def send_shard(stream: Stream, req: ShardRequest, *, source: Path | HeldSh
     except trio.TooSlowError:
         await abort(stream)
         raise TransferTimeout(f"shard {req.index}: slower than its overall deadline") from None
-    except (RemoteProtocolError, StreamClosed, OSError, Stalled):
+    except (RemoteProtocolError, StreamClosed, OSError, Stalled, UpstreamFailed):
         await abort(stream)
         raise
