@@ -162,6 +162,8 @@ async def start_shardcast(node, nursery: trio.Nursery) -> None:
         for reason, n in s.seed_copies_again.items():
             yield ("shoal_shard_seed_copies_again_total", "counter",
                    "Shards this node published and sent once more (past one copy of the set)", {"reason": reason}, n)
+        yield ("shoal_shard_uploads_passed_on_total", "counter",
+               "Shard uploads begun while the shard was still arriving here", {}, s.uploads_passed_on)
         yield ("shoal_shard_streams_reused_total", "counter", "Shard requests sent on a kept /shoal/shard/2 stream",
                {}, s.streams_reused)
         yield ("shoal_shard_haves_total", "counter", "Haves messages on /shoal/have/1 streams", {"direction": "sent"},
