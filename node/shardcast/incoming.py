@@ -29,20 +29,17 @@ class UpstreamFailed(TransportError):
 class Incoming:
     """One shard being received: the chunks read so far (immutable bytes, shared, never copied) and its outcome."""
 
-    def __init__(self, manifest_id: bytes, index: int, sha256: bytes, nbytes: int):
+    def __init__(self, manifest_id: bytes, index: int, nbytes: int):
         self.manifest_id = manifest_id
         self.index = index
-        self.sha256 = sha256
         self.nbytes = nbytes
         self.chunks: list[bytes] = []
-        self.received = 0
         self.verified = False
         self.failed = False
         self._news = trio.lowlevel.ParkingLot()
 
     def add(self, chunk: bytes) -> None:
         self.chunks.append(chunk)
-        self.received += len(chunk)
         self._news.unpark_all()
 
     def finish(self, ok: bool) -> None:
@@ -82,13 +79,13 @@ class IncomingShards:
         self._on_change = on_change or (lambda manifest_id: None)
         """Called with the manifest whenever one of its shards begins or stops arriving (its Have changes)."""
 
-    def begin(self, manifest_id: bytes, index: int, sha256: bytes, nbytes: int) -> Incoming | None:
+    def begin(self, manifest_id: bytes, index: int, nbytes: int) -> Incoming | None:
         """Register a shard whose body starts arriving; None when it is not passed on (too large, or already
         arriving on another transfer, a hedge's twin)."""
         key = (manifest_id, index)
         if nbytes > MAX_PASS_ON_BYTES or key in self._by_key:
             return None
-        incoming = self._by_key[key] = Incoming(manifest_id, index, sha256, nbytes)
+        incoming = self._by_key[key] = Incoming(manifest_id, index, nbytes)
         self._on_change(manifest_id)
         return incoming
 

@@ -94,9 +94,9 @@ class ShardServer:
                  seeds: dict[bytes, Seed], penalize: Callable[[str, str], None],
                  lookup: Callable[[bytes], SignedManifest | None],
                  others_hold: Callable[[bytes, int, str], bool],
-                 on_haves: Callable[[str, Haves], bool], incoming: IncomingShards | None = None):
+                 on_haves: Callable[[str, Haves], bool], incoming: IncomingShards):
         self.store = store
-        self.incoming = incoming or IncomingShards()
+        self.incoming = incoming
         """Shards still arriving here, served on as they come (incoming.py)."""
         self.config = config
         self._stats = stats
@@ -269,11 +269,10 @@ class ShardServer:
         cfg = self.config
         signed = self.store.get_manifest(req.manifest_id)
         m = signed.manifest if signed else None
-        arriving = None
-        if m is not None and req.index < m.num_shards and not self.store.has_shard(m.shard_hashes[req.index]):
-            arriving = self.incoming.get(req.manifest_id, req.index)
-        if m is None or req.index >= m.num_shards or (arriving is None
-                                                      and not self.store.has_shard(m.shard_hashes[req.index])):
+        known = m is not None and req.index < m.num_shards
+        held = known and self.store.has_shard(m.shard_hashes[req.index])
+        arriving = self.incoming.get(req.manifest_id, req.index) if known and not held else None
+        if not held and arriving is None:
             if self._allow_unknown(peer):
                 return await transfer.refuse(stream, req, STATUS_MISSING, cfg.deadlines())
             await transfer.abort(stream)

@@ -121,7 +121,7 @@ async def fetch_shard(stream: Stream, store: ShardStore, *, manifest_id: bytes, 
                                      f"the manifest says {nbytes} bytes")
             writer = store.shard_writer(sha256, nbytes)
             if incoming is not None:
-                arriving = incoming.begin(manifest_id, index, sha256, nbytes)
+                arriving = incoming.begin(manifest_id, index, nbytes)
             await _receive_body(stream, writer, nbytes, deadlines, arriving)
             # On /2 bytes past the body would be read as the next header, and refused there.
             if not keep and await _step(deadlines, stream.read(1)):

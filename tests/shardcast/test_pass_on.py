@@ -35,7 +35,7 @@ async def _followed(incoming) -> tuple[list[bytes], BaseException | None]:
 
 async def test_a_follower_gets_every_chunk_but_the_last_until_the_shard_verifies():
     shards = IncomingShards()
-    inc = shards.begin(MID, 0, b"h" * 32, 3 * PIECE)
+    inc = shards.begin(MID, 0, 3 * PIECE)
     results = []
     async with trio.open_nursery() as nursery:
         async def follow():
@@ -56,7 +56,7 @@ async def test_a_follower_gets_every_chunk_but_the_last_until_the_shard_verifies
 
 async def test_a_follower_is_failed_when_the_shard_does_not_verify():
     shards = IncomingShards()
-    inc = shards.begin(MID, 0, b"h" * 32, 2 * PIECE)
+    inc = shards.begin(MID, 0, 2 * PIECE)
     results = []
     async with trio.open_nursery() as nursery:
         async def follow():
@@ -74,9 +74,9 @@ async def test_a_follower_is_failed_when_the_shard_does_not_verify():
 def test_the_registry_passes_on_one_transfer_per_shard_and_no_large_shards():
     changed = []
     shards = IncomingShards(on_change=changed.append)
-    first = shards.begin(MID, 3, b"h" * 32, PIECE)
-    assert first is not None and shards.begin(MID, 3, b"h" * 32, PIECE) is None, "a hedge's twin is not registered"
-    assert shards.begin(MID, 4, b"h" * 32, MAX_PASS_ON_BYTES + 1) is None
+    first = shards.begin(MID, 3, PIECE)
+    assert first is not None and shards.begin(MID, 3, PIECE) is None, "a hedge's twin is not registered"
+    assert shards.begin(MID, 4, MAX_PASS_ON_BYTES + 1) is None
     assert shards.indices(MID) == {3} and changed == [MID]
     shards.end(first, ok=True)
     assert shards.indices(MID) == set() and changed == [MID, MID]
@@ -133,7 +133,10 @@ def _dripping_publisher(pub, m, data: bytes, *, only_to: str, release: trio.Even
     return sent_corrupt
 
 
-async def test_a_receiver_passes_a_shard_on_while_it_arrives_and_completes_it_once_verified(swarm, tmp_path):
+async def _pass_on(swarm, tmp_path, *, corrupt_first: bool):
+    """pub drips one shard to ``first`` only; ``second`` fetches it from ``first`` while it arrives. Checks, before
+    the last piece is released, that everything but the last chunk went on and nothing is stored yet; returns the
+    nodes and whether a corrupt first copy was sent, once both fetches ended with the shard's bytes."""
     cfg = ShardcastConfig(**{**FAST, "shard_bytes": SHARD})
     pub = await swarm.add("pub", config=cfg)
     first = await swarm.add("first", config=cfg)
@@ -147,7 +150,8 @@ async def test_a_receiver_passes_a_shard_on_while_it_arrives_and_completes_it_on
         await _mesh_ready([pub, first, second])
         m = await pub.service.publish_file(src)
         mid = manifest_id(m)
-        _dripping_publisher(pub, m, data, only_to=first.peer_id, release=release)
+        corrupted = _dripping_publisher(pub, m, data, only_to=first.peer_id, release=release,
+                                        corrupt_first=corrupt_first)
         async with trio.open_nursery() as nursery:
             async def fetch(node):
                 got[node.name] = await node.service.fetch(mid)
@@ -165,43 +169,21 @@ async def test_a_receiver_passes_a_shard_on_while_it_arrives_and_completes_it_on
         out = tmp_path / f"{node.name}.bin"
         node.service.export_file(got[node.name], out)
         assert out.read_bytes() == data
+    return pub, first, second, corrupted
+
+
+async def test_a_receiver_passes_a_shard_on_while_it_arrives_and_completes_it_once_verified(swarm, tmp_path):
+    pub, first, second, _ = await _pass_on(swarm, tmp_path, corrupt_first=False)
     assert first.service.statistics().uploads_passed_on == 1
     assert second.service.statistics().bytes_fetched_by_peer == {first.peer_id: SHARD}
     assert not first.penalties and not second.penalties
 
 
 async def test_a_shard_that_fails_its_hash_on_the_way_in_is_never_completed_downstream(swarm, tmp_path):
-    cfg = ShardcastConfig(**{**FAST, "shard_bytes": SHARD})
-    pub = await swarm.add("pub", config=cfg)
-    first = await swarm.add("first", config=cfg)
-    second = await swarm.add("second", config=cfg)
-    data = os.urandom(SHARD)
-    src = tmp_path / "blob.bin"
-    src.write_bytes(data)
-    release = trio.Event()
-    got = {}
-    with trio.fail_after(30):
-        await _mesh_ready([pub, first, second])
-        m = await pub.service.publish_file(src)
-        mid = manifest_id(m)
-        corrupted = _dripping_publisher(pub, m, data, only_to=first.peer_id, release=release, corrupt_first=True)
-        async with trio.open_nursery() as nursery:
-            async def fetch(node):
-                got[node.name] = await node.service.fetch(mid)
-
-            nursery.start_soon(fetch, first)
-            await wait_until(lambda: 0 in second.service.sources(mid).get(first.peer_id, set()))
-            nursery.start_soon(fetch, second)
-            await wait_until(lambda: first.service.statistics().bytes_served == SHARD - PIECE)
-            # The first copy's last piece is garbage: the first refuses it (and drops the publisher for this
-            # fetch), the second's transfer from it is reset; the second fetches from the publisher, the first then
-            # from the second.
-            release.set()
+    # The first copy's last piece is garbage: the first refuses it (and drops the publisher for this fetch), the
+    # second's transfer from it is reset; the second fetches from the publisher, the first then from the second.
+    pub, first, second, corrupted = await _pass_on(swarm, tmp_path, corrupt_first=True)
     assert corrupted
-    for node in (first, second):
-        out = tmp_path / f"{node.name}.bin"
-        node.service.export_file(got[node.name], out)
-        assert out.read_bytes() == data
     assert (pub.peer_id, "bad_hash") in first.penalties
     assert not second.penalties, "a reset passed-on transfer is nobody's fault the second can see"
     assert first.service.statistics().upload_failures >= 1
