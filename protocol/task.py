@@ -40,7 +40,7 @@ def outer_defaults(compression: str) -> tuple[float, float]:
 
 KNOWN_DEVICES = ("cpu", "cuda", "any")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "centered_clip")
-SCREEN_REASONS = ("empty", "duplicate", "opposed", "outsized")
+SCREEN_REASONS = ("empty", "duplicate", "opposed", "outsized", "one_sided")
 """Why the screen left a producer's slice out of an aggregate (node/tasks/robust.py ``screen``)."""
 MAX_NORM_BOUND = 100.0
 

@@ -8,7 +8,8 @@ inputs' result), zeros (a free-rider), sign_flip (-10x its update), gaussian (it
 10x its rms), stale (its first update replayed every round), overclaim (10x the samples it trained on
 claimed, for 10x the weight in the mean), equivocate (each aggregate it makes announced twice, the second
 time with another result over the same inputs), copy (each round another producer's update published as its
-own, nothing trained), two_updates (each update signed twice, the same slices as other manifests), silent
+own, nothing trained), alie (the other producers' mean plus one standard deviation, value by value, nothing
+trained), two_updates (each update signed twice, the same slices as other manifests), silent
 (a member that joins and never trains: it costs time, which the run's wall seconds show). Two
 baselines run first: clean (every node honest) and honest_only (the honest nodes alone, the attackers never
 started). Per run, read from the honest nodes:
@@ -61,7 +62,7 @@ from protocol.receipts import latest  # noqa: E402
 from scripts.local_swarm import Swarm  # noqa: E402
 from scripts.swarm_task import TaskRun  # noqa: E402
 
-ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy",
+ATTACKS = ("clean", "forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy", "alie",
            "two_updates", "silent")
 ENV = {"SHOAL_HEARTBEAT_INTERVAL_S": "1", "SHOAL_SUSPECT_AFTER_S": "3", "SHOAL_DEAD_AFTER_S": "5",
        "SHOAL_HARDWARE_BENCHMARK": "false"}

@@ -299,7 +299,12 @@ def main() -> None:
                                         "reference)")
     parser.add_argument("--compression", default=default_compression(),
                         help="UPDATE[/AGGREGATE] as a task spec names them (default: a TOML spec's, %(default)s)")
+    parser.add_argument("--attacks", help=f"comma-separated, of {', '.join(ATTACKS[1:])} (the clean run always runs, "
+                                          "as the reference)")
     args = parser.parse_args()
+    attacks_run = ["clean", *(a for a in (args.attacks or ",".join(ATTACKS)).split(",") if a and a != "clean")]
+    if [a for a in attacks_run if a not in ATTACKS]:
+        parser.error(f"unknown attack {[a for a in attacks_run if a not in ATTACKS][0]!r}; known: {', '.join(ATTACKS[1:])}")
     try:
         compression, aggregate = parse_compression(args.compression)
     except ValueError as exc:
@@ -325,7 +330,7 @@ def main() -> None:
         results[label] = {}
         for name, rule in RULES.items():
             attacks = {}
-            for attack in ATTACKS:
+            for attack in attacks_run:
                 excluded = Excluded()
                 losses = [run_one(bench, rule, attack, producers=producers, attackers=attackers, seed=seed,
                                   start=starts[seed], excluded=excluded, checks=name in CHECKED) for seed in seeds]

@@ -11,6 +11,8 @@ and inner-step count asked. Per slice and round it measures what the screen deci
                           (below 0 is "opposed")
     min_norm_ratio        the smallest norm over the median norm (at most 0.01 is "empty")
     max_norm_ratio        the largest (at least 4 is "outsized")
+    max_one_sided         the highest share of a producer's values on one side of the median, on both of its
+                          signs (above 0.75 is "one-sided")
 
 and per producer and round what the training checks decide on (node/tasks/training_check.py), for
 updates of 8 inner steps or more (the ones a node judges):
@@ -67,12 +69,14 @@ def margins_of_slice(values: dict[str, torch.Tensor]) -> dict:
     norms = {p: float(values[p].double().norm()) for p in peers}
     median_norm = sorted(norms.values())[len(norms) // 2] if len(norms) % 2 else \
         sum(sorted(norms.values())[len(norms) // 2 - 1: len(norms) // 2 + 1]) / 2
-    center = torch.stack([values[p] for p in peers]).median(dim=0).values
+    center = robust._median(torch.stack([values[p] for p in peers]))
+    sided = [robust.one_sided_share(*robust.side_counts(values[p], center)) for p in peers]
     pairs = [_cos(values[a], values[b]) for i, a in enumerate(peers) for b in peers[i + 1:]]
     return {"max_pairwise_cosine": max(pairs, default=None),
             "min_median_cosine": min(_cos(values[p], center) for p in peers),
             "min_norm_ratio": min(norms.values()) / median_norm if median_norm else None,
-            "max_norm_ratio": max(norms.values()) / median_norm if median_norm else None}
+            "max_norm_ratio": max(norms.values()) / median_norm if median_norm else None,
+            "max_one_sided": max((s for s in sided if s is not None), default=None) if len(peers) >= 3 else None}
 
 
 def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
@@ -85,6 +89,7 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
     codec, out = bench.codecs
     feedback = {p: ErrorFeedback(codec=codec) for p in peers} if codec.feedback else {}
     worst = {"max_pairwise_cosine": -1.0, "min_median_cosine": 1.0, "min_norm_ratio": math.inf, "max_norm_ratio": 0.0,
+             "max_one_sided": 0.0,
              "min_own_gain": math.inf, "min_own_advantage": math.inf}
     left_out = accused = copied = 0
     for r in range(bench.rounds):
@@ -106,7 +111,7 @@ def run(bench: Bench, producers: int, seed: int, warm: bool) -> dict:
             got = {p: (payloads[p][s], 1) for p in payloads}
             decoded = {p: compute.decode_slice(payloads[p][s], b - a, codec) for p in payloads}
             m = margins_of_slice(decoded)
-            for k in ("max_pairwise_cosine", "max_norm_ratio"):
+            for k in ("max_pairwise_cosine", "max_norm_ratio", "max_one_sided"):
                 if m[k] is not None:
                     worst[k] = max(worst[k], m[k])
             for k in ("min_median_cosine", "min_norm_ratio"):
@@ -181,12 +186,14 @@ def main() -> None:
         "compression": f"{compression}/{aggregate}", "batch_size": args.batch_size,
         "thresholds": {"duplicate_cosine": robust.DUPLICATE_COSINE, "opposed_cosine": robust.OPPOSED_COSINE,
                        "empty_share": robust.EMPTY_SHARE, "outsized_share": robust.OUTSIZED_SHARE,
+                       "one_sided_share": 0.5 + robust.ONE_SIDED_SHARE,
                        "untrained_gain": training_check.UNTRAINED_GAIN,
                        "check_min_steps": training_check.CHECK_MIN_STEPS, "copy_margin": training_check.COPY_MARGIN},
         "worst": {"max_pairwise_cosine": max(r["max_pairwise_cosine"] for r in runs),
                   "min_median_cosine": min(r["min_median_cosine"] for r in runs),
                   "min_norm_ratio": min(r["min_norm_ratio"] for r in runs),
                   "max_norm_ratio": max(r["max_norm_ratio"] for r in runs),
+                  "max_one_sided": max(r["max_one_sided"] for r in runs),
                   "min_own_gain": min((r["min_own_gain"] for r in runs if r["min_own_gain"] is not None), default=None),
                   "honest_slices_screened_out": sum(r["honest_slices_screened_out"] for r in runs),
                   "min_own_advantage": min((r["min_own_advantage"] for r in runs if r["min_own_advantage"] is not None),

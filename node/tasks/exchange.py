@@ -48,7 +48,8 @@ passed over then, not waited on for the whole fetch deadline while other members
 SCREENED = {"empty": "next to nothing (zeros)",
             "duplicate": "a near copy of another producer's slice (both left out; the training checks tell which)",
             "opposed": "it points against the others' median",
-            "outsized": "many times larger than the others (noise poured in)"}
+            "outsized": "many times larger than the others (noise poured in)",
+            "one_sided": "on one side of the others' median nearly everywhere (crafted inside their spread)"}
 APPLIED_KEPT = 1
 """Rounds whose applied aggregates are kept here: the last. The training checks take the round's mean
 (applied_mean) when they are told it is applied, and keep it as long as they need it."""

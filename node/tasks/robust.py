@@ -51,6 +51,16 @@ OUTSIZED_SHARE = 4.0
 into an update (Gaussian noise of 10x its rms is about 10x). An honest producer's norm was never above 1.6x
 the median (scripts/screen_margins.py, docs/bench/screen-margins.json); below this, the norm bound scales a
 loud slice down to the bound and the rule weighs it."""
+ONE_SIDED_SHARE = 0.25
+"""A slice that sits above the coordinate-wise median of the producers still in at more than 0.5 + this share of
+the values it differs from it at, both where the median is positive and where it is negative (or below it at as
+many), is left out as "one-sided". An honest update's deviation from the median is as often up as down: a larger
+honest update is above it where the median is positive and below where it is negative, not above in both. A
+crafted one such as ALIE ("a little is enough": the honest mean plus z honest standard deviations in every
+coordinate) sits inside the honest spread in every coordinate, near the median's direction and size, and on
+one side of it nearly everywhere (docs/bench/screen-margins.json: max_one_sided for honest updates)."""
+MIN_SIDED_VALUES = 256
+"""Values that differ from the median, in each of its signs, below which a slice is not judged one-sided."""
 MIN_OPPOSED_CHECK = 3
 """With fewer producers the median is no majority's direction (nor the norms' median a majority's size)."""
 MAX_PAIRWISE = 32
@@ -131,6 +141,9 @@ def screen(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) 
       and fewer than half of them are opposed (without a majority there is no direction to oppose).
     - "outsized": a norm of at least OUTSIZED_SHARE x the median norm (noise poured in) in a slice not
       opposed, when at least MIN_OPPOSED_CHECK are in and fewer than half of them are that large.
+    - "one-sided": above (or below) the coordinate-wise median at most of the values it differs from it at, on
+      both of the median's signs (ONE_SIDED_SHARE), in a slice neither opposed nor outsized, when at least
+      MIN_OPPOSED_CHECK are in and fewer than half of them are one-sided (a crafted update inside the spread).
 
     The whole screen runs again on the producers left until it finds nothing (once more when it found
     something: fewer producers can change the median, the norms' median, or whether copies are compared
@@ -159,10 +172,14 @@ def _screen_once(views: dict[str, QuantPayload], norms: dict[str, float], numel:
     while live:
         median = statistics.median(live.values())
         found = {p: "empty" for p, n in live.items() if n <= EMPTY_SHARE * median}
+        sided: list[str] = []
         if not found:
-            found = {p: "opposed" for p in _opposed({p: views[p] for p in sorted(live)}, live, numel)}
+            opposed, sided = _against_median({p: views[p] for p in sorted(live)}, live, numel)
+            found = {p: "opposed" for p in opposed}
         if not found:
             found = {p: "outsized" for p in _outsized(live, median)}
+        if not found:
+            found = {p: "one_sided" for p in sided}
         if not found:
             break
         for p, why in found.items():
@@ -176,24 +193,49 @@ def _outsized(norms: dict[str, float], median: float) -> list[str]:
     return loud if len(norms) >= MIN_OPPOSED_CHECK and 2 * len(loud) < len(norms) else []
 
 
-def _opposed(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) -> list[str]:
+def _against_median(views: dict[str, QuantPayload], norms: dict[str, float],
+                    numel: int) -> tuple[list[str], list[str]]:
+    """(opposed, one-sided) producers against the coordinate-wise median, each list empty without a majority."""
     peers = list(views)
     if len(peers) < MIN_OPPOSED_CHECK:
-        return []
+        return [], []
     agg = _Slices(views, numel, [None] * len(peers))
     center = torch.empty(numel, dtype=torch.float32)
     for lo, hi, stack in agg.chunks():
         center[lo:hi] = _median(stack)
     center_norm = math.sqrt(math.fsum(_sum_squares(center)))
     if center_norm == 0:
-        return []
+        return [], []
     parts: list[list[float]] = [[] for _ in peers]
+    # Per producer, values above and below the median where it is positive, then where it is negative: counts,
+    # the same integers on every node.
+    sides = [[0, 0, 0, 0] for _ in peers]
     for lo, hi, stack in agg.chunks():
-        wide = center[lo:hi].double()
+        mid = center[lo:hi]
+        wide = mid.double()
         for i, row in enumerate(stack):
             parts[i].extend(_row_sums(row.double() * wide))
+            sides[i] = [a + b for a, b in zip(sides[i], side_counts(row, mid))]
     opposed = [p for p, part in zip(peers, parts) if math.fsum(part) < OPPOSED_COSINE * norms[p] * center_norm]
-    return opposed if 2 * len(opposed) < len(peers) else []
+    sided = [p for p, counts in zip(peers, sides) if (share := one_sided_share(*counts)) is not None
+             and share > 0.5 + ONE_SIDED_SHARE]
+    return (opposed if 2 * len(opposed) < len(peers) else []), (sided if 2 * len(sided) < len(peers) else [])
+
+
+def one_sided_share(above_pos: int, below_pos: int, above_neg: int, below_neg: int) -> float | None:
+    """The share of the values a slice differs from the median at that lie on its more common side, the lower of
+    the two figures where the median is positive and where it is negative: about 0.5 for an honest update, near 1
+    for one shifted one way everywhere; None with fewer than MIN_SIDED_VALUES differing values on either sign."""
+    pos, neg = above_pos + below_pos, above_neg + below_neg
+    if min(pos, neg) < MIN_SIDED_VALUES:
+        return None
+    return max(min(above_pos / pos, above_neg / neg), min(below_pos / pos, below_neg / neg))
+
+
+def side_counts(row: torch.Tensor, center: torch.Tensor) -> list[int]:
+    """Values of ``row`` above and below ``center`` where it is positive, then where it is negative."""
+    above, below, pos, neg = row > center, row < center, center > 0, center < 0
+    return [int(torch.logical_and(side, sign).sum()) for sign in (pos, neg) for side in (above, below)]
 
 
 def _duplicates(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) -> set[str]:

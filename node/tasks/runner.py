@@ -43,7 +43,8 @@ from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchStat
 
 log = logging.getLogger("shoal.tasks")
 
-CHARGED = {"empty": "empty_update", "opposed": "opposed_update", "outsized": "outsized_update"}
+CHARGED = {"empty": "empty_update", "opposed": "opposed_update", "outsized": "outsized_update",
+           "one_sided": "one_sided_update"}
 """What a producer is charged for a slice the screen left out of an applied aggregate (on every node alike);
 a duplicate is not charged: nobody can tell the copy from the original."""
 

@@ -10,6 +10,9 @@ the protocol:
     stale      it publishes its first round's update again in every later round
     copy       it trains nothing of its own: each round it waits for another producer's update, fetches its
                slices and publishes them as its own, full samples claimed
+    alie       "a little is enough": each round it waits for every other member's update, fetches their slices
+               and publishes their mean plus one standard deviation, value by value (inside the honest spread in
+               every coordinate), full samples claimed
     overclaim  it trains honestly and claims 10x the samples it trained on (more weight in the mean)
     equivocate every aggregate it makes goes out twice: as made, and with another result over the same
                inputs (each its own lie), and it never bans anyone
@@ -33,8 +36,8 @@ from node.tasks.exchange import Exchange
 from protocol.audit import Audit
 from protocol import task_machine
 
-ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy", "two_updates",
-           "silent")
+ATTACKS = ("forge", "zeros", "sign_flip", "gaussian", "stale", "overclaim", "equivocate", "copy", "alie",
+           "two_updates", "silent")
 ATTACK = os.environ.get("HOSTILE_ATTACK", "")
 if ATTACK not in ATTACKS:
     sys.exit(f"hostile_node: HOSTILE_ATTACK must be one of {', '.join(ATTACKS)}, not {ATTACK!r}")
@@ -149,6 +152,54 @@ if ATTACK == "copy":
     from node.tasks import checks
     _produce = TaskRunner._produce
     TaskRunner._produce = _copy
+if ATTACK == "alie":
+    import trio
+
+    from node.tasks import checks
+    from node.tasks.runner import TaskRunner
+    from protocol.errors import TransportError
+    from protocol.task_machine import Trained
+
+    async def _fetched(self, update, round_: int) -> list[torch.Tensor]:
+        out = []
+        for s, mid in enumerate(update.manifest_ids):
+            numel = self.exchange._slice_numel(s)
+            _, data = await self.exchange._fetch_payload(mid, update.producer, numel, self.spec.round_deadline_s,
+                                                         kept=self.exchange._slices, round_=round_,
+                                                         codec=self.exchange.codec)
+            out.append(compute.decode_slice(bytearray(data.numpy().tobytes()), numel, self.exchange.codec))
+        return out
+
+    async def _alie(self, job):
+        await self._train(job.round, list(job.members))  # the trainer's clock and state move on as an honest one's
+        others = {m for m in job.members if m != self.me}
+        deadline = trio.current_time() + self.spec.round_deadline_s / 2
+        while True:
+            rec = self.machine.rounds_seen.get(job.round)
+            heard = {p: u for p, u in sorted((rec.updates if rec else {}).items()) if p in others}
+            if len(heard) == len(others) or (len(heard) >= 2 and trio.current_time() > deadline):
+                break
+            if trio.current_time() > deadline:
+                return await _produce(self, job)  # too few to craft from this round: an honest update
+            await trio.sleep(0.05)
+        try:
+            with trio.fail_after(self.spec.round_deadline_s / 2):
+                slices = [await _fetched(self, u, job.round) for u in heard.values()]
+        except (TransportError, trio.TooSlowError):
+            return await _produce(self, job)  # banned, so no longer served: an honest update
+        ids = []
+        for s, values in enumerate(zip(*slices)):
+            stack = torch.stack(values)
+            crafted = stack.mean(dim=0) + stack.std(dim=0)
+            ids.append(await self.exchange.publish_payload(self.exchange.codec.encode(crafted),
+                                                           f"task/{self.tid[:12]}/r{job.round}/u{s}", version=job.round))
+        shards = tuple(sorted(checks.shards_of(self.tid, job.round, self.me, list(job.members),
+                                               self.spec.dataset.num_shards)))
+        return Trained(round=job.round, samples=self.spec.inner_steps * self.spec.batch_size,
+                       manifest_ids=tuple(ids), losses=next(iter(heard.values())).losses, shards=shards)
+
+    _produce = TaskRunner._produce
+    TaskRunner._produce = _alie
 if ATTACK == "silent":
     import trio
 

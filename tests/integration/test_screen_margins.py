@@ -24,5 +24,6 @@ def test_honest_updates_clear_the_screen_with_room_to_spare(tmp_path):
     assert worst["min_median_cosine"] > report["thresholds"]["opposed_cosine"], worst
     assert worst["min_norm_ratio"] > report["thresholds"]["empty_share"], worst
     assert worst["max_norm_ratio"] < report["thresholds"]["outsized_share"], worst
+    assert worst["max_one_sided"] < report["thresholds"]["one_sided_share"], worst
     assert report["compression"] == "int4/int4"  # a TOML spec's, when it names none
     assert {r["start"] for r in report["runs"]} == {"scratch", "warm"} and len(report["runs"]) == 2

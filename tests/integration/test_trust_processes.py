@@ -132,6 +132,13 @@ def test_a_trainer_pouring_noise_into_its_update_is_screened_out_charged_and_nev
 
 
 @pytest.mark.timeout(300)
+def test_an_update_crafted_inside_the_honest_spread_is_screened_out_charged_and_never_credited(tmp_path):
+    # ALIE: the honest updates' mean plus one standard deviation, value by value. Its direction and size are an
+    # honest update's; it sits above the median nearly everywhere, where an honest one is as often below.
+    screened_out_and_never_credited(*hostile_run(tmp_path, "alie"), "one_sided")
+
+
+@pytest.mark.timeout(300)
 def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_everywhere(tmp_path):
     # Its replays pass the screen (a real update, of a real size and direction), so the training checks must
     # find them: its checker measures each on the batches it drew, proves it to the others, and every honest node

@@ -64,6 +64,7 @@ def test_the_screen_decides_alike_whatever_the_threads_and_chunks(monkeypatch):
     slices["copier"] = (near_copy(slices, "p1", numel, 0.1), 50)
     slices["zz"] = (encode_int8(torch.zeros(numel)), 50)
     slices["flip"] = (flipped(slices, "p3", numel, -10.0), 50)
+    slices["alie"] = (alie(slices, numel), 50)
     threads = torch.get_num_threads()
     outs = []
     try:
@@ -75,7 +76,8 @@ def test_the_screen_decides_alike_whatever_the_threads_and_chunks(monkeypatch):
         outs.append(robust.combine(slices, numel, SCREEN))
     finally:
         torch.set_num_threads(threads)
-    assert all(o.screened == {"copier": "duplicate", "flip": "opposed", "p1": "duplicate", "zz": "empty"} for o in outs)
+    assert all(o.screened == {"alie": "one_sided", "copier": "duplicate", "flip": "opposed", "p1": "duplicate",
+                              "zz": "empty"} for o in outs)
     assert len({bytes(o.data) for o in outs}) == 1
 
 
@@ -185,3 +187,61 @@ def test_what_is_left_is_screened_clean_even_when_fewer_producers_turn_on_the_pa
     kept = {p: slices[p] for p in slices if p not in out.screened}
     again = robust.combine(kept, numel, SCREEN)
     assert again.screened == {} and bytes(again.data) == bytes(out.data)
+
+
+def alie(slices: dict, numel: int, z: float = 1.0, peers: list[str] | None = None) -> bytearray:
+    """"A little is enough": the mean of the honest slices plus ``z`` of their standard deviations, per value."""
+    d = decoded({p: slices[p] for p in (peers or [p for p in slices if p.startswith("p")])}, numel)
+    return encode_int8((d.mean(dim=0) + z * d.std(dim=0)).float())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.rule)
+def test_an_update_crafted_inside_the_honest_spread_is_one_sided_left_out_and_the_rest_recompute_alike(spec):
+    numel = 20 * 256
+    slices = honest(numel, peers=3)
+    for z in (1.0, 0.5, 2.0):
+        out = robust.combine({**slices, "alie": (alie(slices, numel, z), 96)}, numel, spec)
+        assert out.screened == {"alie": "one_sided"} and out.bad == [], z
+        assert bytes(out.data) == bytes(robust.combine(slices, numel, spec).data)
+    # Its cosine with the median and its norm are an honest update's: only its side of the median gives it away.
+    d = decoded({**slices, "alie": (alie(slices, numel), 96)}, numel)
+    center = robust._median(d.float())
+    cosine = float(d[0] @ center.double()) / float(d[0].norm() * center.double().norm())
+    assert cosine > 0.8 and 0.8 < float(d[0].norm() / d[1:].norm(dim=1).median()) < 1.25
+    assert robust.one_sided_share(*robust.side_counts(d[0].float(), center)) > 0.75
+    # The honest ones are pushed below the median by the one above it (two of three each time, 0.67) but stay under
+    # the threshold; without it they sit near 0.5.
+    assert all(robust.one_sided_share(*robust.side_counts(row.float(), center)) < 0.7 for row in d[1:])
+    clean = decoded(slices, numel)
+    center = robust._median(clean.float())
+    assert all(robust.one_sided_share(*robust.side_counts(row.float(), center)) < 0.6 for row in clean)
+
+
+def test_larger_smaller_or_sparser_honest_updates_are_not_one_sided():
+    numel = 20 * 256
+    slices = honest(numel, peers=4)
+    common = rand(100, numel)
+    others = {"big": (encode_int8((common + rand(5, numel) * 0.5) * 2.5), 96),
+              "small": (encode_int8((common + rand(6, numel) * 0.5) * 0.3), 96),
+              # Top-k like: most values 0, and where the median is 0 too they count on neither side.
+              "sparse": (encode_int8(torch.where(rand(7, numel).abs() > 0.012, common + rand(8, numel) * 0.5,
+                                                 torch.zeros(numel))), 96)}
+    for name, slice_ in others.items():
+        assert robust.combine({**slices, name: slice_}, numel, SCREEN).screened == {}, name
+    assert robust.combine({**slices, **others}, numel, SCREEN).screened == {}
+
+
+def test_no_side_is_one_sided_without_a_majority_or_with_too_few_values():
+    numel = 20 * 256
+    two = honest(numel, peers=2)
+    both = {"a0": (alie(two, numel, 1.0), 9), "a1": (alie(two, numel, 1.5), 9)}
+    assert robust.combine({**two, **both}, numel, SCREEN).screened == {}  # two of four: no majority says which
+    # One crafted from two honest: with three in, the median is the lower honest one wherever the crafted one is
+    # on top, and the other honest one is below it there; all three are one-sided, so nobody is.
+    assert robust.combine({**two, "a0": both["a0"]}, numel, SCREEN).screened == {}
+    few = 256
+    small = honest(few, peers=3)
+    assert robust.combine({**small, "a0": (alie(small, few), 9)}, few, SCREEN).screened == {}
+    assert robust.one_sided_share(300, 10, 200, 55) is None  # 255 values differ where the median is negative
+    assert robust.one_sided_share(300, 10, 250, 6) == pytest.approx(300 / 310)  # the lower of the two signs
+    assert robust.one_sided_share(300, 10, 6, 250) == pytest.approx(10 / 310)  # larger: up where +, down where -
