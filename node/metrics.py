@@ -172,7 +172,8 @@ def task_samples(node) -> Iterable[Sample]:
         for reason, n in sorted(t.get("screened", {}).items()):
             yield ("shoal_task_screened_total", "counter", "Producers' slices this node's aggregations left out, "
                    "by reason (empty: zeros; duplicate: a near copy of another's; opposed: against the median; "
-                   "outsized: many times the others' norm; one_sided: on one side of the median nearly everywhere)", {**task, "reason": reason}, n)
+                   "outsized: many times the others' norm; one_sided: on one side of the median nearly everywhere)",
+                   {**task, "reason": reason}, n)
         for reason, n in sorted(t.get("screened_applied", {}).items()):
             yield ("shoal_task_screened_applied_total", "counter", "Producers' slices the screen left out of the "
                    "aggregates this node applied, by reason (all but duplicate are charged to the producer on "

@@ -27,8 +27,6 @@ PENALTIES = {
     "opposed_update": 20.0,
     # An update many times larger than the slice's others (noise poured in): no honest update came close.
     "outsized_update": 20.0,
-    # An update on one side of the slice's median nearly everywhere (crafted inside the honest spread, as ALIE).
-    "one_sided_update": 20.0,
     # An update that raises the loss on the batches its producer drew (node/tasks/training_check.py): it did not
     # train on them. Measured by its checker and again by every node a proof reaches; a second finding within 4 rounds bans.
     "untrained_update": 60.0,

@@ -12,7 +12,7 @@ and inner-step count asked. Per slice and round it measures what the screen deci
     min_norm_ratio        the smallest norm over the median norm (at most 0.01 is "empty")
     max_norm_ratio        the largest (at least 4 is "outsized")
     max_one_sided         the highest share of a producer's values on one side of the median, on both of its
-                          signs (above 0.75 is "one-sided")
+                          signs (above 0.6 is "one-sided")
 
 and per producer and round what the training checks decide on (node/tasks/training_check.py), for
 updates of 8 inner steps or more (the ones a node judges):

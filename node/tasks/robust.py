@@ -51,16 +51,21 @@ OUTSIZED_SHARE = 4.0
 into an update (Gaussian noise of 10x its rms is about 10x). An honest producer's norm was never above 1.6x
 the median (scripts/screen_margins.py, docs/bench/screen-margins.json); below this, the norm bound scales a
 loud slice down to the bound and the rule weighs it."""
-ONE_SIDED_SHARE = 0.25
+ONE_SIDED_SHARE = 0.1
 """A slice that sits above the coordinate-wise median of the producers still in at more than 0.5 + this share of
 the values it differs from it at, both where the median is positive and where it is negative (or below it at as
-many), is left out as "one-sided". An honest update's deviation from the median is as often up as down: a larger
-honest update is above it where the median is positive and below where it is negative, not above in both. A
-crafted one such as ALIE ("a little is enough": the honest mean plus z honest standard deviations in every
-coordinate) sits inside the honest spread in every coordinate, near the median's direction and size, and on
-one side of it nearly everywhere (docs/bench/screen-margins.json: max_one_sided for honest updates)."""
-MIN_SIDED_VALUES = 256
-"""Values that differ from the median, in each of its signs, below which a slice is not judged one-sided."""
+many), is "one-sided", and left out when fewer than half of the producers are one-sided on its side. An honest
+update's deviation from the median is as often up as down: at most 0.52 of its values on one side
+(docs/bench/screen-margins.json: max_one_sided), and a larger honest update is above it where the median is
+positive and below where it is negative, not above in both. A crafted one such as ALIE ("a little is enough":
+the honest mean plus z honest standard deviations in every coordinate) sits inside the honest spread in every
+coordinate, near the median's direction and size, and above the median everywhere before it is compressed:
+0.64-0.97 of its values after int4 on real nodes, where rounding moved it below the median at the values it
+was closest to it. Not charged (node/tasks/runner.py CHARGED): an attacker that publishes last can place its
+values so that one honest update lands on one side at two of three values, and is left out beside its own."""
+MIN_SIDED_VALUES = 2048
+"""Values that differ from the median, in each of its signs, below which a slice is not judged one-sided: with
+fewer, chance alone moves an honest share by more than a few hundredths (0.5 / sqrt(n) is 0.011 at 2048)."""
 MIN_OPPOSED_CHECK = 3
 """With fewer producers the median is no majority's direction (nor the norms' median a majority's size)."""
 MAX_PAIRWISE = 32
@@ -143,7 +148,8 @@ def screen(views: dict[str, QuantPayload], norms: dict[str, float], numel: int) 
       opposed, when at least MIN_OPPOSED_CHECK are in and fewer than half of them are that large.
     - "one-sided": above (or below) the coordinate-wise median at most of the values it differs from it at, on
       both of the median's signs (ONE_SIDED_SHARE), in a slice neither opposed nor outsized, when at least
-      MIN_OPPOSED_CHECK are in and fewer than half of them are one-sided (a crafted update inside the spread).
+      MIN_OPPOSED_CHECK are in and fewer than half of them are one-sided on that side (a crafted update inside
+      the spread): the most one-sided such slice only, then the others again without it.
 
     The whole screen runs again on the producers left until it finds nothing (once more when it found
     something: fewer producers can change the median, the norms' median, or whether copies are compared
@@ -217,9 +223,14 @@ def _against_median(views: dict[str, QuantPayload], norms: dict[str, float],
             parts[i].extend(_row_sums(row.double() * wide))
             sides[i] = [a + b for a, b in zip(sides[i], side_counts(row, mid))]
     opposed = [p for p, part in zip(peers, parts) if math.fsum(part) < OPPOSED_COSINE * norms[p] * center_norm]
-    sided = [p for p, counts in zip(peers, sides) if (share := one_sided_share(*counts)) is not None
-             and share > 0.5 + ONE_SIDED_SHARE]
-    return (opposed if 2 * len(opposed) < len(peers) else []), (sided if 2 * len(sided) < len(peers) else [])
+    # One update above the median everywhere pushes it up, so the others sit below it more often (two of three
+    # honest updates of four): only the most one-sided slice, on a side fewer than half are on, is left out at a
+    # time, and the screen looks again without it.
+    found = {p: (one_sided_share(*counts), side) for p, counts in zip(peers, sides)
+             if (side := one_sided(*counts)) is not None}
+    sided = [p for p, (_, side) in found.items() if 2 * sum(s == side for _, s in found.values()) < len(peers)]
+    worst = max(sided, key=lambda p: (found[p][0], p), default=None)
+    return (opposed if 2 * len(opposed) < len(peers) else []), ([] if worst is None else [worst])
 
 
 def one_sided_share(above_pos: int, below_pos: int, above_neg: int, below_neg: int) -> float | None:
@@ -230,6 +241,16 @@ def one_sided_share(above_pos: int, below_pos: int, above_neg: int, below_neg: i
     if min(pos, neg) < MIN_SIDED_VALUES:
         return None
     return max(min(above_pos / pos, above_neg / neg), min(below_pos / pos, below_neg / neg))
+
+
+def one_sided(above_pos: int, below_pos: int, above_neg: int, below_neg: int) -> str | None:
+    """"above" or "below" when a slice is on that side of the median at more than 0.5 + ONE_SIDED_SHARE of the
+    values it differs from it at, on both of the median's signs; else None."""
+    share = one_sided_share(above_pos, below_pos, above_neg, below_neg)
+    if share is None or share <= 0.5 + ONE_SIDED_SHARE:
+        return None
+    return "above" if min(above_pos / (above_pos + below_pos), above_neg / (above_neg + below_neg)) == share \
+        else "below"
 
 
 def side_counts(row: torch.Tensor, center: torch.Tensor) -> list[int]:

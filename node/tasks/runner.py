@@ -43,8 +43,10 @@ from protocol.task_machine import (Aggregate, Applied, Apply, Dissent, FetchStat
 
 log = logging.getLogger("shoal.tasks")
 
-CHARGED = {"empty": "empty_update", "opposed": "opposed_update", "outsized": "outsized_update",
-           "one_sided": "one_sided_update"}
+CHARGED = {"empty": "empty_update", "opposed": "opposed_update", "outsized": "outsized_update"}
+"""Why the screen left a slice out, and what its producer is charged; a duplicate and a one-sided slice are not
+charged (node/tasks/robust.py: the screen cannot tell a copy from its original, nor an update crafted to one side
+of the median from an honest one that an update crafted around it pushed there)."""
 """What a producer is charged for a slice the screen left out of an applied aggregate (on every node alike);
 a duplicate is not charged: nobody can tell the copy from the original."""
 

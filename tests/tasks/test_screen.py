@@ -197,7 +197,7 @@ def alie(slices: dict, numel: int, z: float = 1.0, peers: list[str] | None = Non
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.rule)
 def test_an_update_crafted_inside_the_honest_spread_is_one_sided_left_out_and_the_rest_recompute_alike(spec):
-    numel = 20 * 256
+    numel = 64 * 256
     slices = honest(numel, peers=3)
     for z in (1.0, 0.5, 2.0):
         out = robust.combine({**slices, "alie": (alie(slices, numel, z), 96)}, numel, spec)
@@ -208,17 +208,17 @@ def test_an_update_crafted_inside_the_honest_spread_is_one_sided_left_out_and_th
     center = robust._median(d.float())
     cosine = float(d[0] @ center.double()) / float(d[0].norm() * center.double().norm())
     assert cosine > 0.8 and 0.8 < float(d[0].norm() / d[1:].norm(dim=1).median()) < 1.25
-    assert robust.one_sided_share(*robust.side_counts(d[0].float(), center)) > 0.75
-    # The honest ones are pushed below the median by the one above it (two of three each time, 0.67) but stay under
-    # the threshold; without it they sit near 0.5.
-    assert all(robust.one_sided_share(*robust.side_counts(row.float(), center)) < 0.7 for row in d[1:])
+    assert robust.one_sided_share(*robust.side_counts(d[0].float(), center)) > 0.9
+    # The honest ones are pushed below the median by the one above it (two of three each time): one-sided too, but
+    # below, and the majority; without it they sit near 0.5.
+    assert [robust.one_sided(*robust.side_counts(row.float(), center)) for row in d] == ["above"] + ["below"] * 3
     clean = decoded(slices, numel)
     center = robust._median(clean.float())
-    assert all(robust.one_sided_share(*robust.side_counts(row.float(), center)) < 0.6 for row in clean)
+    assert all(robust.one_sided_share(*robust.side_counts(row.float(), center)) < 0.55 for row in clean)
 
 
 def test_larger_smaller_or_sparser_honest_updates_are_not_one_sided():
-    numel = 20 * 256
+    numel = 64 * 256
     slices = honest(numel, peers=4)
     common = rand(100, numel)
     others = {"big": (encode_int8((common + rand(5, numel) * 0.5) * 2.5), 96),
@@ -232,16 +232,36 @@ def test_larger_smaller_or_sparser_honest_updates_are_not_one_sided():
 
 
 def test_no_side_is_one_sided_without_a_majority_or_with_too_few_values():
-    numel = 20 * 256
+    numel = 64 * 256
     two = honest(numel, peers=2)
     both = {"a0": (alie(two, numel, 1.0), 9), "a1": (alie(two, numel, 1.5), 9)}
     assert robust.combine({**two, **both}, numel, SCREEN).screened == {}  # two of four: no majority says which
-    # One crafted from two honest: with three in, the median is the lower honest one wherever the crafted one is
-    # on top, and the other honest one is below it there; all three are one-sided, so nobody is.
-    assert robust.combine({**two, "a0": both["a0"]}, numel, SCREEN).screened == {}
-    few = 256
+    # One crafted from two honest: with three in, the median is the higher honest one wherever the crafted one is
+    # on top, and the lower honest one is below it there; one of three is above, and it is left out.
+    assert robust.combine({**two, "a0": both["a0"]}, numel, SCREEN).screened == {"a0": "one_sided"}
+    few = 2 * 1024
     small = honest(few, peers=3)
     assert robust.combine({**small, "a0": (alie(small, few), 9)}, few, SCREEN).screened == {}
-    assert robust.one_sided_share(300, 10, 200, 55) is None  # 255 values differ where the median is negative
-    assert robust.one_sided_share(300, 10, 250, 6) == pytest.approx(300 / 310)  # the lower of the two signs
-    assert robust.one_sided_share(300, 10, 6, 250) == pytest.approx(10 / 310)  # larger: up where +, down where -
+    assert robust.one_sided_share(3000, 100, 2000, 47) is None  # 2047 values differ where the median is negative
+    assert robust.one_sided_share(3000, 100, 2500, 60) == pytest.approx(3000 / 3100)  # the lower of the two signs
+    assert robust.one_sided(3000, 100, 2500, 60) == "above" and robust.one_sided(100, 3000, 60, 2500) == "below"
+    assert robust.one_sided_share(3000, 100, 60, 2500) == pytest.approx(100 / 3100)  # larger: up where +, down where -
+    assert robust.one_sided(3000, 100, 60, 2500) is None and robust.one_sided(1240, 860, 1240, 860) is None  # 0.59
+
+
+def test_an_update_crafted_around_an_honest_one_pushes_it_to_one_side_so_one_sided_slices_are_not_charged():
+    # Below the others where the target is highest or in the middle, above them where it is lowest: the target
+    # lands above the median at up to two of three values while the other two stay balanced, at the threshold's
+    # edge here (0.6). The screen cannot tell which of two such slices was crafted, so neither is charged.
+    numel = 64 * 256
+    slices = honest(numel, peers=3)
+    d = decoded(slices, numel).float()
+    low, high = d.min(dim=0).values, d.max(dim=0).values
+    gap = 0.05 * float(d.std())
+    framer = torch.where(d[0] == low, high + gap, low - gap)
+    stack = torch.cat([d, decode_int8(encode_int8(framer), numel)[None]])
+    center = robust._median(stack)
+    shares = [robust.one_sided_share(*robust.side_counts(row, center)) for row in stack]
+    assert shares[0] > 0.58 and all(s < 0.51 for s in shares[1:3]), shares
+    from node.tasks.runner import CHARGED
+    assert "one_sided" not in CHARGED and "duplicate" not in CHARGED
