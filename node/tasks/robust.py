@@ -79,7 +79,7 @@ class Combined:
     bad: list[str]
     """Producers whose slice did not decode or whose norm is past MAX_NORM: their fault, charged."""
     screened: dict[str, str]
-    """Producers the screen left out (``spec.screen``), with why: "empty", "duplicate" or "opposed"."""
+    """Producers the screen left out (``spec.screen``), with why: protocol.task.SCREEN_REASONS."""
 
 
 def aggregate_slice(slices: dict, numel: int, spec: AggregationSpec = PLAIN,
@@ -201,7 +201,8 @@ def _outsized(norms: dict[str, float], median: float) -> list[str]:
 
 def _against_median(views: dict[str, QuantPayload], norms: dict[str, float],
                     numel: int) -> tuple[list[str], list[str]]:
-    """(opposed, one-sided) producers against the coordinate-wise median, each list empty without a majority."""
+    """The producers opposed to the coordinate-wise median (none without a majority), and the most one-sided one
+    on a side fewer than half are on (or none)."""
     peers = list(views)
     if len(peers) < MIN_OPPOSED_CHECK:
         return [], []
