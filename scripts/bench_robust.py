@@ -303,8 +303,9 @@ def main() -> None:
                                           "as the reference)")
     args = parser.parse_args()
     attacks_run = ["clean", *(a for a in (args.attacks or ",".join(ATTACKS)).split(",") if a and a != "clean")]
-    if [a for a in attacks_run if a not in ATTACKS]:
-        parser.error(f"unknown attack {[a for a in attacks_run if a not in ATTACKS][0]!r}; known: {', '.join(ATTACKS[1:])}")
+    unknown = [a for a in attacks_run if a not in ATTACKS]
+    if unknown:
+        parser.error(f"unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS[1:])}")
     try:
         compression, aggregate = parse_compression(args.compression)
     except ValueError as exc:

@@ -77,17 +77,21 @@ async def _hostile_publish(self, data, label, version=None, **options):
 Exchange._publish_payload = _hostile_publish
 
 
-async def _as_own(self, update, round_: int, version=None) -> list[str]:
-    """``update``'s slices (fetched, or read from our store), published again under this node's signature: the
-    manifest ids of each."""
-    ids = []
+async def _slices_of(self, update, round_: int) -> list[bytearray]:
+    """``update``'s slices as sent (fetched, or read from our store)."""
+    out = []
     for s, mid in enumerate(update.manifest_ids):
         _, data = await self.exchange._fetch_payload(mid, update.producer, self.exchange._slice_numel(s),
                                                      self.spec.round_deadline_s, kept=self.exchange._slices,
                                                      round_=round_, codec=self.exchange.codec)
-        ids.append(await self.exchange.publish_payload(bytearray(data.numpy().tobytes()),
-                                                       f"task/{self.tid[:12]}/r{round_}/u{s}", version=version))
-    return ids
+        out.append(bytearray(data.numpy().tobytes()))
+    return out
+
+
+async def _as_own(self, update, round_: int, version=None) -> list[str]:
+    """``update``'s slices published again under this node's signature: the manifest ids of each."""
+    return [await self.exchange.publish_payload(data, f"task/{self.tid[:12]}/r{round_}/u{s}", version=version)
+            for s, data in enumerate(await _slices_of(self, update, round_))]
 
 
 if ATTACK == "overclaim":
@@ -160,16 +164,6 @@ if ATTACK == "alie":
     from protocol.errors import TransportError
     from protocol.task_machine import Trained
 
-    async def _fetched(self, update, round_: int) -> list[torch.Tensor]:
-        out = []
-        for s, mid in enumerate(update.manifest_ids):
-            numel = self.exchange._slice_numel(s)
-            _, data = await self.exchange._fetch_payload(mid, update.producer, numel, self.spec.round_deadline_s,
-                                                         kept=self.exchange._slices, round_=round_,
-                                                         codec=self.exchange.codec)
-            out.append(compute.decode_slice(bytearray(data.numpy().tobytes()), numel, self.exchange.codec))
-        return out
-
     async def _alie(self, job):
         await self._train(job.round, list(job.members))  # the trainer's clock and state move on as an honest one's
         others = {m for m in job.members if m != self.me}
@@ -180,16 +174,21 @@ if ATTACK == "alie":
             if len(heard) == len(others) or (len(heard) >= 2 and trio.current_time() > deadline):
                 break
             if trio.current_time() > deadline:
-                return await _produce(self, job)  # too few to craft from this round: an honest update
+                print(f"hostile_node: round {job.round}: {len(heard)} updates heard, an honest one sent",
+                      file=sys.stderr, flush=True)
+                return await _produce(self, job)  # too few to craft from
             await trio.sleep(0.05)
         try:
             with trio.fail_after(self.spec.round_deadline_s / 2):
-                slices = [await _fetched(self, u, job.round) for u in heard.values()]
-        except (TransportError, trio.TooSlowError):
-            return await _produce(self, job)  # banned, so no longer served: an honest update
+                slices = [await _slices_of(self, u, job.round) for u in heard.values()]
+        except (TransportError, trio.TooSlowError) as exc:
+            print(f"hostile_node: round {job.round}: {exc or 'timed out'}, an honest update sent", file=sys.stderr,
+                  flush=True)
+            return await _produce(self, job)  # not served (a peer that banned it for another reason)
         ids = []
         for s, values in enumerate(zip(*slices)):
-            stack = torch.stack(values)
+            numel = self.exchange._slice_numel(s)
+            stack = torch.stack([compute.decode_slice(v, numel, self.exchange.codec) for v in values])
             crafted = stack.mean(dim=0) + stack.std(dim=0)
             ids.append(await self.exchange.publish_payload(self.exchange.codec.encode(crafted),
                                                            f"task/{self.tid[:12]}/r{job.round}/u{s}", version=job.round))
