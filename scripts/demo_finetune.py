@@ -162,6 +162,7 @@ def run_demo(work_dir: Path, *, recipe: str = "hf-causal-lm", method: str = "lor
             raise RuntimeError(f"the task stopped: {run.stopped()}")
         run.collect()
         infos = [(n.status.get("task") or {}).get("hf") or {} for n in swarm.nodes]
+        checks = [(n.status.get("task") or {}).get("training_checks") or {} for n in swarm.nodes]
         hf_info = infos[0]
     finally:
         swarm.stop()
@@ -183,6 +184,8 @@ def run_demo(work_dir: Path, *, recipe: str = "hf-causal-lm", method: str = "lor
         "bytes_per_node_per_round": round((moved - 2 * inputs) / num_nodes / max(1, len(rows))),
         "input_bytes_per_node": round(inputs / num_nodes),
         "swarm_seconds": swarm_report["task"]["seconds"],
+        "training_checks": {k: sum(c.get(k, 0) for c in checks)
+                            for k in ("passed", "untrained", "confirmed", "refuted", "unjudged")},
     })
     if recipe == "hf-dpo":
         report.update(preference_margins(swarm.nodes[0].data_dir, run.task_id))

@@ -10,8 +10,12 @@ A second finding against one producer within training_check.STRIKE_ROUNDS rounds
 ``untrained_again``), which
 drops its updates on every honest node alike, since every one of them measured the same.
 
-What is checked: tiny-lm tasks whose members train a whole round from its weights (no ``overlap``: steps
-carried from the last round trained on other batches) and updates of at least training_check.CHECK_MIN_STEPS inner steps.
+What is checked: tiny-lm and hf-causal-lm tasks whose members train a whole round from its weights (no ``overlap``:
+steps carried from the last round trained on other batches) and updates of training_check.CHECK_MIN_STEPS to
+CHECK_MAX_STEPS inner steps. An hf update's gain is measured by this node's trainer child, which holds the model
+(``measure``, node/train/recipes.py ``gain``), against its own threshold (UNTRAINED_GAIN_HF); hf updates are not
+judged as copies (their data does not tell a copy from an original), and hf-dpo updates are not judged (no
+margin measured).
 An update is judged on the shards it names (a producer reads its shards in that order): an honest producer
 names what it trained on, whatever a checker's view of the round's members. One whose base is not the round's
 weights here is not judged: nobody is charged on a guess.
@@ -50,15 +54,20 @@ class TrainingChecks:
     def __init__(self, *, spec: TaskSpec, task_id: str, me: str, fetch_update: Callable[[UpdateAnnounce], Awaitable],
                  applied_mean: Callable[[int], Callable[[], object] | None], penalize: Callable[[str, str], None],
                  publish: Callable[[object], Awaitable[None]], corpus: Callable[[], Path | None], enabled: bool,
-                 max_bytes: int):
+                 max_bytes: int, measure: Callable[..., Awaitable[float | None]] | None = None):
         self.spec, self.tid, self.me = spec, task_id, me
         self.fetch_update, self.penalize, self.publish, self.corpus = fetch_update, penalize, publish, corpus
         self.applied_mean = applied_mean
         """A round's mean update as applied here, to decode (Exchange.applied_mean): the reference a copy is told
         by."""
+        self.measure = measure
+        """For hf tasks: (round, producer, θ_r, Δ̂ flat, its shards) -> its own-data gain, measured by the trainer
+        child, or None when it could not be; None for tiny-lm, whose gain is measured here in a thread."""
         self.enabled = enabled and spec.overlap == 0 and training_check.judged(spec.inner_steps)
         self.max_bytes = max_bytes
-        self.model = compute.model_config(spec) if self.enabled else None
+        self.model = compute.model_config(spec) if self.enabled and measure is None else None
+        self.threshold = training_check.UNTRAINED_GAIN if measure is None else \
+            training_check.UNTRAINED_GAIN_HF[spec.hf.method]
         self.counts: Counter[str] = Counter()
         """Checks by outcome: passed, untrained (found here), confirmed, refuted (a peer's proof), unjudged."""
         self.seconds = 0.0
@@ -193,10 +202,10 @@ class TrainingChecks:
             # What the proof carries, as it was heard when the check began: a check can outlast the rounds kept.
             update, origins = held
             copy_of = next((p for p in others if p in gains and training_check.copied(gains[p])), None)
-            if not training_check.untrained(own) and copy_of is None:
+            if not training_check.untrained(own, self.threshold) and copy_of is None:
                 self.counts["passed"] += 1
                 return
-            if training_check.untrained(own):
+            if training_check.untrained(own, self.threshold):
                 copy_of = None
             self.counts["untrained"] += 1
             self._found(round_, producer, own, by=self.me, copy_of=copy_of, advantage=gains.get(copy_of))
@@ -205,7 +214,7 @@ class TrainingChecks:
                 await self.publish(TrainingProof(
                     task_id=self.tid, accuser=self.me, update=update[1], gain=own,
                     **({} if origin is None else {"original": origin[1], "advantage": gains[copy_of]})))
-        elif training_check.confirms(own) if original is None else training_check.confirms_copy(gains[original]):
+        elif training_check.confirms(own, self.threshold) if original is None else training_check.confirms_copy(gains[original]):
             self.counts["confirmed"] += 1
             self._found(round_, producer, own, by=accuser, copy_of=original, advantage=gains.get(original))
         else:
@@ -289,7 +298,7 @@ class TrainingChecks:
                      else "no corpus here" if corpus is None else "too few steps, or no shards named" if own is None
                      else "trained from other weights than this node's")
             return None
-        reference = mean if any(o != producer for o in owners) else None
+        reference = mean if self.measure is None and any(o != producer for o in owners) else None
         batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None
                    and (o == producer or reference is not None)}
         self._unjudged.setdefault((round_, producer), set()).update(o for o in owners if o not in batches)
@@ -301,6 +310,13 @@ class TrainingChecks:
                      str(exc) or "timed out")
             return None
         started = trio.current_time()
+        if self.measure is not None:
+            try:
+                gain = await self.measure(round_, producer, base.weights, delta, own[0]) \
+                    if producer in batches else None
+            finally:
+                self.seconds += trio.current_time() - started
+            return {**gains, producer: gain} if gain is not None else None
         try:
             measured = await trio.to_thread.run_sync(self._gains_on, base.weights, delta, corpus, round_, producer,
                                                      own, batches, reference)

@@ -12,6 +12,7 @@ aggregates in protocol/audit.py.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -19,16 +20,19 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 from safetensors import SafetensorError
 
 from node.tasks import compute, history, produced, task_files
 from node.tasks.checks import KEEP_ROUNDS as CHECKED_ROUNDS, TrainingChecks, shards_of
+from node.tasks.training_check import CHECK_BATCHES
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
+from node.train.diloco import Named, flatten, save_named, unflatten
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
 from protocol.audit import Accused, FalseAccusation, Forged, Verify, open_proof
@@ -89,9 +93,11 @@ class TaskRunner:
         self.checks = TrainingChecks(spec=spec, task_id=tid, me=self.me, fetch_update=self.exchange.fetch_update,
                                      applied_mean=self.exchange.applied_mean,
                                      penalize=node.membership.penalize, publish=self._publish,
-                                     corpus=lambda: self.corpus_path, enabled=self.hf is None,
-                                     max_bytes=MAX_TASK_MESSAGE_BYTES)
-        """Whether other contributors' updates trained on their own data (tiny-lm tasks)."""
+                                     corpus=lambda: self.corpus_path,
+                                     enabled=self.hf is None or spec.recipe == "hf-causal-lm",
+                                     max_bytes=MAX_TASK_MESSAGE_BYTES,
+                                     measure=self._hf_gain if self.hf is not None else None)
+        """Whether other contributors' updates trained on their own data (tiny-lm and hf-causal-lm tasks)."""
         if self.checks.enabled:
             self.exchange.slices_kept_rounds = CHECKED_ROUNDS - 1
         self.state: compute.OuterState | None = None
@@ -636,7 +642,7 @@ class TaskRunner:
         spec = self.spec
         mine = shards_of(self.tid, r, self.me, members, spec.dataset.num_shards)
         if self.hf is not None:
-            shard_ranges = self.hf.train_ranges(mine)
+            shard_ranges = self.hf.train_ranges(sorted(mine))  # the order its UpdateAnnounce names, as below
         else:
             ranges, _ = split_ranges(self.corpus_path.stat().st_size, spec.dataset.num_shards)
             # In shard order: the order its UpdateAnnounce names them in, which checkers read them in.
@@ -665,6 +671,36 @@ class TaskRunner:
             model=self._model_request(), weights_path=self.dir / "weights.safetensors",
             data_path=self.corpus_path, data_range=heldout, num_batches=self.options.eval_batches,
             seed=derive_seed(self.tid, "eval"), batch_size=self.spec.batch_size, device=self._device())
+
+    async def _hf_gain(self, round_: int, producer: str, base: Named, delta: torch.Tensor,
+                       shards: list[int]) -> float | None:
+        """``producer``'s hf update's gain on the first batches it drew (TrainingChecks ``measure``), measured by
+        this node's trainer child, which holds the model: θ_r and Δ̂ go to it as files, removed after. None when
+        it cannot be measured here (no trainer, or the trainer failed it); nobody is judged on a guess."""
+        if self.trainer is None or self.corpus_path is None:
+            return None
+        stem = f"check-r{round_}-{hashlib.sha256(producer.encode()).hexdigest()[:16]}"
+        base_path, delta_path = self.dir / f"{stem}-base.safetensors", self.dir / f"{stem}-delta.safetensors"
+
+        def write() -> None:
+            _, layout = flatten(base)
+            save_named(base_path, base)
+            save_named(delta_path, unflatten(delta.to(torch.float32), layout))
+
+        try:
+            await trio.to_thread.run_sync(write)
+            reply = await self.trainer.request(
+                "gain", model=self._model_request(), base_path=str(base_path), delta_path=str(delta_path),
+                data_path=str(self.corpus_path), shard_ranges=[list(r) for r in self.hf.train_ranges(shards)],
+                seed=derive_seed(self.tid, round_, producer), batch_size=self.spec.batch_size,
+                count=CHECK_BATCHES, device=self._device())
+            return float(reply["gain"])
+        except (TrainerCrashed, TrainerRequestFailed, OSError, ValueError, IndexError) as exc:
+            log.warning("task %s round %d: %s's update not checked: %s", self.tid[:12], round_, producer, exc)
+            return None
+        finally:
+            for path in (base_path, delta_path):
+                path.unlink(missing_ok=True)
 
     def _model_request(self):
         return self.hf.model_request() if self.hf is not None else compute.model_config(self.spec)

@@ -44,6 +44,15 @@ COPY_BATCHES = 16
 steps: the comparison runs only for producers the screen left out as near copies, and needs the power."""
 UNTRAINED_GAIN = -0.05
 """Nats per byte: an update whose gain on its own batches is below this did not train on them from θ_r."""
+UNTRAINED_GAIN_HF = {"lora": -0.3, "full": -0.1}
+"""Nats per token, by hf.method, for hf-causal-lm updates (their gain is measured by the trainer child,
+node/train/recipes.py ``gain``). Measured on a tiny Llama (scripts/hf_check_margins.py,
+docs/bench/hf-check-margins.json): honest LoRA updates at the demo's high inner learning rate came within -0.08
+of 0 once training flattened, while LoRA updates sent again from an earlier round or made up at an honest
+update's norm mostly fell to -0.3 .. -17; honest full fine-tuning never went below +0.004, and its cheats fell
+less far (-0.03 .. -0.66; a stale full update still helps a fine-tune for a while). On that homogeneous data a copy
+of another producer's update fits one's batches as well as one's own: hf updates are judged untrained or not,
+never as copies."""
 COPY_MARGIN = 0.02
 """Nats: of two producers the screen found to send near copies of one update, the one whose batches it fits
 worse by this much (own_advantage below −COPY_MARGIN) sent the copy. An honest update fits its own batches
@@ -107,11 +116,11 @@ def confirms_copy(advantage: float) -> bool:
     return advantage < -COPY_MARGIN + TOLERANCE
 
 
-def untrained(gain: float) -> bool:
+def untrained(gain: float, threshold: float = UNTRAINED_GAIN) -> bool:
     """What a producer's own check decides: below the threshold by more than the tolerance (an accusation)."""
-    return gain < UNTRAINED_GAIN - TOLERANCE
+    return gain < threshold - TOLERANCE
 
 
-def confirms(gain: float) -> bool:
+def confirms(gain: float, threshold: float = UNTRAINED_GAIN) -> bool:
     """Whether a checker's own gain backs an accusation: below the threshold within the tolerance."""
-    return gain < UNTRAINED_GAIN + TOLERANCE
+    return gain < threshold + TOLERANCE

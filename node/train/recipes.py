@@ -9,6 +9,8 @@ Requests (node/train/worker.py frames) for the hf-* recipes carry ``model`` = HF
     {"op": "train", "model", "base_path", "data_path", "shard_ranges", ...as tiny-lm}
     {"op": "eval", "model", "weights_path", "data_path", "data_range", "num_batches", "batch_size"}
       -> {"loss", "margin"?}
+    {"op": "gain", "model", "base_path", "delta_path", "data_path", "shard_ranges", "seed", "batch_size", "count"}
+      -> {"gain", "loss"}: an update's loss drop on the first batches its producer drew (training checks)
 """
 
 from __future__ import annotations
@@ -105,3 +107,37 @@ def evaluate(req: dict, *, device) -> dict:
     if config.recipe == "hf-dpo":
         return dpo.evaluate(config, model, recs[start:end], count, device)
     return {"loss": hf.evaluate_causal(config, model, recs[start:end], count, device)}
+
+
+def gain(req: dict, *, device) -> dict:
+    """An update's own-data gain, loss(θ_r, B) − loss(θ_r − Δ, B), on B: the first ``count`` batches a producer's
+    inner steps drew from its records with its seed (the hf side of node/tasks/training_check.py ``own_gain``).
+    Losses are the recipe's own (causal: nats per token; DPO: per pair), the model in eval mode."""
+    import math
+
+    import torch
+
+    from node.train import dpo, hf
+    from node.train.diloco import load_named
+    config = _config(req)
+    base, delta = load_named(req["base_path"]), load_named(req["delta_path"])
+    if {n: tuple(t.shape) for n, t in base.items()} != {n: tuple(t.shape) for n, t in delta.items()}:
+        raise ValueError("the update's tensors do not match the round's weights")
+    recs = hf.records(req["data_path"])
+    chosen = [r for a, b in hf.check_ranges(req.get("shard_ranges"), len(recs)) for r in recs[a:b]]
+    count, batch_size, seed = int(req["count"]), int(req["batch_size"]), int(req["seed"])
+    if count < 1:
+        raise ValueError("count must be at least 1")
+    model, trainable = hf.build(config, device)
+    model.eval()
+    make = dpo.loss_fn if config.recipe == "hf-dpo" else hf.causal_loss_fn
+
+    @torch.no_grad()
+    def loss_with(weights) -> float:
+        hf.load_trainable(trainable, weights)
+        loss_of = make(config, model, chosen, batch_size, seed, device)
+        return math.fsum(loss_of(step).item() for step in range(count)) / count
+
+    before = loss_with(base)
+    after = loss_with({n: base[n].to(torch.float32) - delta[n].to(torch.float32) for n in base})
+    return {"gain": before - after, "loss": before}

@@ -14,6 +14,8 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
           "carried_steps", "out_path"}
     {"op": "eval", "model", "weights_path", "data_path", "data_range": [start, end],
      "num_batches", "batch_size", "seed"} -> {"ok": true, "loss"}
+    {"op": "gain", ...} -> {"ok": true, "gain", "loss"}: an hf update's own-data gain, for the training
+     checks (node/train/recipes.py; tiny-lm's is measured in the daemon)
 
 train writes the pseudo-gradient Δ = base − trained (float32, named, safetensors) to out_path,
 since Δ is what the round compresses and ships. Nothing is hashed here: the daemon knows the
@@ -316,7 +318,16 @@ def handle_prepare(req: dict) -> dict:
     return _recipes().prepare(req)
 
 
-HANDLERS = {"ping": handle_ping, "train": handle_train, "eval": handle_eval, "prepare": handle_prepare}
+def handle_gain(req: dict) -> dict:
+    from node.train.inner import resolve_device
+
+    if not _recipes().is_hf(_field(req, "model", dict)):
+        raise ValueError("gain is measured here for the hf-* recipes only (tiny-lm's in the daemon)")
+    return _recipes().gain(req, device=resolve_device(_field(req, "device", str, "auto")))
+
+
+HANDLERS = {"ping": handle_ping, "train": handle_train, "eval": handle_eval, "prepare": handle_prepare,
+            "gain": handle_gain}
 
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> int:
