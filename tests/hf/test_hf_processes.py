@@ -10,7 +10,7 @@ from scripts.demo_finetune import ENV, run_demo, shoal, task_fields, wait_for
 from scripts.local_swarm import Swarm
 from scripts.swarm_task import TaskRun
 from scripts.tiny_hf import make_model_dir, text_records, write_jsonl
-from tests.integration.test_task_processes import ledger_by_round
+from tests.integration.test_trust_processes import proven_untrained_and_banned
 
 pytestmark = [pytest.mark.slow]
 
@@ -67,26 +67,5 @@ def test_a_free_rider_replaying_its_first_lora_update_is_proven_untrained_and_ba
             node.status = node.call("/status")
     finally:
         swarm.stop()
-    tasks = [node.status["task"] for node in honest]
-    checks = [task["training_checks"] for task in tasks]
-    print(json.dumps({"training_checks": checks, "screened": [t["screened"] for t in tasks],
-                      "eval_losses": tasks[0]["eval_losses"]}))
-    assert all(c["enabled"] for c in checks)
-    assert sum(c["untrained"] for c in checks) >= 1 and sum(c["confirmed"] for c in checks) >= 1, checks
-    assert all(c["refuted"] == 0 for c in checks), checks
-    assert sum(c["passed"] for c in checks) >= 2, checks  # honest updates were measured and passed
-    assert {f["producer"] for c in checks for f in c["findings"]} == {other.peer_id}, checks
+    checks = proven_untrained_and_banned(honest, other, run, rounds)
     assert all(f["gain"] < training_check.UNTRAINED_GAIN_HF["lora"] for c in checks for f in c["findings"]), checks
-    assert all(other.peer_id in node.status["banned_peers"] for node in honest)
-    assert all(not set(node.status["banned_peers"]) & {n.peer_id for n in honest} for node in honest)
-    last = max(f["round"] for c in checks for f in c["findings"])
-    credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
-                if r.producer == other.peer_id}
-    assert all(r <= last for r in credited), (credited, last)
-    by_round: dict[int, set[str]] = {}
-    for task in tasks:
-        for row in task["agreement"]:
-            by_round.setdefault(row["round"], set()).add(row["weights_hash"])
-    assert sorted(by_round) == list(range(rounds)) and all(len(v) == 1 for v in by_round.values()), by_round
-    losses = [x for _, x in tasks[0]["eval_losses"]]
-    assert losses and losses[-1] < losses[0], losses

@@ -140,18 +140,17 @@ def test_an_update_crafted_inside_the_honest_spread_is_screened_out_every_round_
     screened_out_and_never_credited(*hostile_run(tmp_path, "alie"), "one_sided", charged=False)
 
 
-@pytest.mark.timeout(300)
-def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_everywhere(tmp_path):
-    # Its replays pass the screen (a real update, of a real size and direction), so the training checks must
-    # find them: its checker measures each on the batches it drew, proves it to the others, and every honest node
-    # measures it again and bans it at the second finding.
-    honest, other, run = hostile_run(tmp_path, "stale")
+def proven_untrained_and_banned(honest, other, run, rounds: int) -> list[dict]:
+    """The honest nodes' training checks found ``other``'s updates untrained (its checker) and confirmed them (the
+    others), accused nobody else and were refuted by none; every honest node banned it at its second finding,
+    credited it for no round after, agreed on every round's weights and saw the held-out loss fall. The checks."""
     tasks = [node.status["task"] for node in honest]
     checks = [task["training_checks"] for task in tasks]
     print(json.dumps({"training_checks": checks, "eval_losses": tasks[0]["eval_losses"]}))
     assert all(c["enabled"] for c in checks)
     assert sum(c["untrained"] for c in checks) >= 1 and sum(c["confirmed"] for c in checks) >= 1, checks
     assert all(c["refuted"] == 0 for c in checks), checks
+    assert sum(c["passed"] for c in checks) >= 2, checks  # honest updates were measured and passed
     assert {f["producer"] for c in checks for f in c["findings"]} == {other.peer_id}, checks
     # Every honest node judged the findings itself (found or confirmed), so every one of them banned it.
     assert all(len({f["round"] for f in c["findings"]}) >= 2 for c in checks), checks
@@ -162,10 +161,20 @@ def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_
     credited = {r.round for node in honest for rs in ledger_by_round(node, run.task_id).values() for r in rs
                 if r.producer == other.peer_id}
     assert all(r <= last for r in credited), (credited, last)
-    rounds = weights_by_round(tasks)
-    assert sorted(rounds) == list(range(HOSTILE_ROUNDS)) and all(len(v) == 1 for v in rounds.values()), rounds
+    by_round = weights_by_round(tasks)
+    assert sorted(by_round) == list(range(rounds)) and all(len(v) == 1 for v in by_round.values()), by_round
     losses = [x for _, x in tasks[0]["eval_losses"]]
     assert losses and losses[-1] < losses[0], losses
+    return checks
+
+
+@pytest.mark.timeout(300)
+def test_a_free_rider_replaying_its_first_update_is_proven_untrained_and_banned_everywhere(tmp_path):
+    # Its replays pass the screen (a real update, of a real size and direction), so the training checks must
+    # find them: its checker measures each on the batches it drew, proves it to the others, and every honest node
+    # measures it again and bans it at the second finding.
+    honest, other, run = hostile_run(tmp_path, "stale")
+    proven_untrained_and_banned(honest, other, run, HOSTILE_ROUNDS)
 
 
 @pytest.mark.timeout(300)
