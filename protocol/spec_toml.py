@@ -15,7 +15,7 @@ from protocol.task import (AdamWSpec, AggregationSpec, DatasetSpec, HFSpec, Mode
 _SUB = {"model": ModelSpec, "dataset": DatasetSpec, "adamw": AdamWSpec, "requirements": Requirements, "hf": HFSpec,
         "aggregation": AggregationSpec}
 _OPTIONAL_TABLES: dict[type, set[str]] = {
-    TaskSpec: {"model", "hf", "aggregation", "trainers", "overlap", "aggregate_compression"},
+    TaskSpec: {"model", "hf", "aggregation", "trainers", "overlap", "aggregate_compression", "fragments"},
     DatasetSpec: {"manifest", "heldout_fraction"},
     Requirements: {"torch_version"}, HFSpec: {"method", "seq_len", "lora_r", "lora_alpha", "target_modules", "dpo_beta"},
     AggregationSpec: {"rule", "trim_fraction", "clip_radius", "norm_bound", "spot_check", "screen"},

@@ -49,6 +49,8 @@ MAX_ROUNDS = 1_000_000
 MAX_INNER_STEPS = 1_000_000
 MAX_MEMBERS = 10_000
 MAX_SLICES = 256
+MAX_FRAGMENTS = 16
+"""Streaming fragments a task may cut its model into: TinyLM has at least 17 tensors."""
 MAX_DATASET_BYTES = 1 << 34
 MAX_DATASET_SHARDS = 1 << 16
 MAX_PARAMS = 2_000_000_000
@@ -235,7 +237,7 @@ class AggregationSpec:
         _need(_finite(self.spot_check) and 0 <= self.spot_check <= 1, "aggregation.spot_check must be within 0..1")
 
 
-@message(tag=24, optional_tail=("aggregation", "trainers", "overlap", "aggregate_compression"))
+@message(tag=24, optional_tail=("aggregation", "trainers", "overlap", "aggregate_compression", "fragments"))
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSpec:
     """What to train and how; its hash is the task id, the initiator's signature is on the envelope."""
@@ -279,6 +281,11 @@ class TaskSpec:
     """How aggregators encode each slice's aggregate (AGGREGATE_COMPRESSIONS): every node downloads every
     aggregate, so this sets most of a round's bytes. No error feedback: the aggregate is recomputed by
     whoever checks it, from the signed updates alone."""
+    fragments: int = 1
+    """Streaming DiLoCo: the model's tensors cut into this many fragments of about equal size, round r syncing
+    fragment r mod ``fragments`` only, each member training on from its own weights in between (1: every round
+    syncs the whole model). A fragment is synced every ``fragments`` rounds: the traffic of rounds that many times
+    longer, in pieces that many times smaller (tiny-lm, without overlap)."""
 
     def __post_init__(self) -> None:
         # The recipe is not checked here: a well-formed spec naming an unknown recipe must still
@@ -302,6 +309,9 @@ class TaskSpec:
         _need(self.time_budget_s < self.round_deadline_s, "time_budget_s must be shorter than round_deadline_s")
         _need(_finite(self.overlap) and 0 <= self.overlap <= 1,
               "overlap must be within 0..1: the share of a round's inner steps taken while its exchange runs")
+        _need(1 <= self.fragments <= MAX_FRAGMENTS,
+              f"fragments must be within 1..{MAX_FRAGMENTS} (1: every round syncs the whole model)")
+        _need(self.fragments == 1 or self.overlap == 0, "fragments and overlap do not combine yet: set one of them")
         _need(1 <= self.min_members <= self.max_members <= MAX_MEMBERS,
               f"need 1 <= min_members <= max_members <= {MAX_MEMBERS}")
         _need(0 <= self.seed < 2**63 and 0 <= self.created_ms < 2**63, "seed and created_ms must fit in 63 bits")
@@ -320,6 +330,8 @@ class TaskSpec:
         _need(self.dataset.kind != "published", "a published dataset needs one of the recipes "
                                                 f"{list(HF_RECIPES)}, which tokenize it")
         _need(self.aggregation_shards <= self.model.num_params(), "aggregation_shards exceeds the parameter count")
+        _need(self.aggregation_shards * self.fragments <= self.model.num_params(),
+              "aggregation_shards x fragments exceeds the parameter count: every fragment is cut into that many slices")
         _need(self.init_manifest == "" or _is_hex_hash(self.init_manifest),
               "init_manifest must be a SHARDCAST manifest id (64 lowercase hex characters) or \"\"")
         window = self.model.seq_len + 1
@@ -337,6 +349,8 @@ class TaskSpec:
         _need(self.init_manifest == "", "init_manifest is for tiny-lm; an hf-* task starts from its model directory")
         _need(self.overlap == 0, f"overlap is not offered for recipe {self.recipe!r} yet (tiny-lm only): "
                                 "leave it out or set it to 0")
+        _need(self.fragments == 1, f"fragments is not offered for recipe {self.recipe!r} yet (tiny-lm only): "
+                                   "leave it out or set it to 1")
         _need(self.recipe != "hf-dpo" or self.hf.method == "lora",
               "hf-dpo needs hf.method = \"lora\": its reference model is the base with the adapter off")
 

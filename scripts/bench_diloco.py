@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from protocol.task import AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS  # noqa: E402
+from protocol.task import AGGREGATE_COMPRESSIONS, KNOWN_COMPRESSIONS, MAX_FRAGMENTS  # noqa: E402
 from scripts.local_swarm import READY_TIMEOUT_S, TASK_ENV, Swarm, netlab_interrupts  # noqa: E402
 from scripts.swarm_task import TaskRun, timeout_s  # noqa: E402
 
@@ -96,9 +96,10 @@ def interface_bytes(lab) -> dict[str, int]:
     return out
 
 
-def parse_arm(arm: str) -> tuple[str, str, float]:
-    """"int8", "int2/int4", "int2+overlap" or "int2+overlap=0.25": the update compression, the aggregates'
-    (int8 unless named after a slash) and the task's overlap share."""
+def parse_arm(arm: str) -> tuple[str, str, float, int]:
+    """"int8", "int2/int4", "int2+overlap", "int2+overlap=0.25" or "int4/int4+fragments=4": the update compression,
+    the aggregates' (int8 unless named after a slash), the task's overlap share and its streaming fragments (F: the
+    arm's rounds are F times as many and F times as short, the same steps in all)."""
     codecs, _, rest = arm.partition("+")
     compression, _, aggregate = codecs.partition("/")
     aggregate = aggregate or "int8"
@@ -107,17 +108,21 @@ def parse_arm(arm: str) -> tuple[str, str, float]:
     if aggregate not in AGGREGATE_COMPRESSIONS:
         raise ValueError(f"arm {arm!r}: the aggregates' compression must be one of {', '.join(AGGREGATE_COMPRESSIONS)}")
     if not rest:
-        return compression, aggregate, 0.0
-    name, _, share = rest.partition("=")
+        return compression, aggregate, 0.0, 1
+    name, _, value = rest.partition("=")
+    if name == "fragments":
+        if not value.isdigit() or not 2 <= int(value) <= MAX_FRAGMENTS:
+            raise ValueError(f"arm {arm!r}: fragments must be a whole number within 2..{MAX_FRAGMENTS}")
+        return compression, aggregate, 0.0, int(value)
     if name != "overlap":
-        raise ValueError(f"arm {arm!r}: after '+' only overlap[=SHARE] is known")
+        raise ValueError(f"arm {arm!r}: after '+' only overlap[=SHARE] or fragments=F is known")
     try:
-        overlap = float(share) if share else 1.0
+        overlap = float(value) if value else 1.0
     except ValueError:
         raise ValueError(f"arm {arm!r}: the overlap share must be a number within 0..1") from None
     if not 0 < overlap <= 1:
         raise ValueError(f"arm {arm!r}: the overlap share must be within (0, 1]")
-    return compression, aggregate, overlap
+    return compression, aggregate, overlap, 1
 
 
 def run_swarm(setup, args, start, work_dir: Path, lab, *, arm: str) -> dict:
@@ -127,9 +132,13 @@ def run_swarm(setup, args, start, work_dir: Path, lab, *, arm: str) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     init_path = work_dir / "init.safetensors"
     save_named(init_path, start)
-    compression, aggregate, overlap = parse_arm(arm)
+    compression, aggregate, overlap, fragments = parse_arm(arm)
     fields = {**task_fields(setup, args), "compression": compression, "aggregate_compression": aggregate,
               **({"overlap": overlap} if overlap else {})}
+    if fragments > 1:
+        if args.inner_steps % fragments:
+            raise ValueError(f"arm {arm!r}: {fragments} fragments do not divide {args.inner_steps} inner steps")
+        fields.update(fragments=fragments, inner_steps=args.inner_steps // fragments, rounds=args.rounds * fragments)
     swarm = Swarm(args.workers, work_dir, lab=lab, env=TASK_ENV)
     try:
         swarm.start()
@@ -263,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", "--compressions", dest="compressions", default="int8,int4/int4",
                         help="the swarm arms, the candidate default last: an update compression (int8, int4, int2, "
                              "topk), optionally /AGGREGATE for the aggregates' (int8, int4, int2; int8 if left out), "
-                             "with +overlap[=SHARE] for the task option overlap (SHARE of a round's steps, default 1)")
+                             "with +overlap[=SHARE] for the task option overlap (SHARE of a round's steps, default 1) "
+                             "or +fragments=F for streaming fragments (F times the rounds, each 1/F of the steps)")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--netlab", action="store_true", help="run each node in its own network-namespace host")
     parser.add_argument("--rate", help="per-host rate limit with --netlab, e.g. 20mbit")

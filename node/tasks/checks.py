@@ -11,7 +11,8 @@ A second finding against one producer within training_check.STRIKE_ROUNDS rounds
 drops its updates on every honest node alike, since every one of them measured the same.
 
 What is checked: tiny-lm and hf-causal-lm tasks whose members train a whole round from its weights (no ``overlap``:
-steps carried from the last round trained on other batches) and updates of training_check.CHECK_MIN_STEPS to
+steps carried from the last round trained on other batches; no ``fragments``: a member trains on from its own
+weights) and updates of training_check.CHECK_MIN_STEPS to
 CHECK_MAX_STEPS inner steps. An hf update's gain is measured by this node's trainer child, which holds the model
 (``measure``, node/train/recipes.py ``gain``), against its own threshold (UNTRAINED_GAIN_HF); hf updates are not
 judged as copies (their data does not tell a copy from an original), and hf-dpo updates are not judged (no
@@ -63,7 +64,7 @@ class TrainingChecks:
         self.measure = measure
         """For hf tasks: (round, producer, θ_r, Δ̂ flat, its shards) -> its own-data gain, measured by the trainer
         child, or None when it could not be; None for tiny-lm, whose gain is measured here in a thread."""
-        self.enabled = enabled and spec.overlap == 0 and training_check.judged(spec.inner_steps)
+        self.enabled = enabled and spec.overlap == 0 and spec.fragments <= 1 and training_check.judged(spec.inner_steps)
         self.max_bytes = max_bytes
         self.model = compute.model_config(spec) if self.enabled and measure is None else None
         self.threshold = training_check.UNTRAINED_GAIN if measure is None else \

@@ -100,6 +100,19 @@ def split_with_feedback(delta: Named, num_slices: int, codec: Codec,
     return payloads, out
 
 
+def fragment_with_feedback(delta: Named, num_slices: int, codec: Codec,
+                           residual: Named | None) -> tuple[list[bytearray], Named]:
+    """split_with_feedback of an update that may cover only some of the model's tensors (a fragment: task option
+    ``fragments``), with the residual kept for all of them: the fragment's part of it (zero for a tensor not sent
+    before) goes into this update, and the residual returned is the whole one with that part replaced."""
+    if residual is None or set(residual) == set(delta):
+        return split_with_feedback(delta, num_slices, codec, residual)
+    part = {n: residual[n] if n in residual and residual[n].shape == delta[n].shape
+            else torch.zeros(delta[n].shape, dtype=torch.float32) for n in delta}
+    payloads, kept = split_with_feedback(delta, num_slices, codec, part)
+    return payloads, {**residual, **kept}
+
+
 def _feed(writer, lo: int, values: torch.Tensor, pending: torch.Tensor, numel: int) -> torch.Tensor:
     """Write values starting at slice offset ``lo`` (after ``pending``) in whole blocks; return what is left over."""
     if pending.numel():
@@ -240,12 +253,23 @@ def new_state(spec: TaskSpec) -> OuterState:
                       outer=OuterNesterov(lr=spec.outer_lr, momentum=spec.outer_momentum))
 
 
-def apply_aggregates(state: OuterState, payloads: list, work: int, codec: Codec = INT8) -> OuterState:
+def apply_aggregates(state: OuterState, payloads: list, work: int, codec: Codec = INT8,
+                     names: tuple[str, ...] | None = None) -> OuterState:
     """θ_{r+1} from the chosen aggregate of every slice, through the outer Nesterov step of OuterNesterov.step,
     chunk by chunk: each aggregate decoded straight into the step, new tensors written once, θ_r left whole.
+    ``names``: the tensors the round syncs (a fragment, task option ``fragments``), in sorted order, which the
+    slices cover; every other tensor and its momentum is kept as it is (the same tensors). None: all.
 
     Per element, the same float32 operations in the same order as OuterNesterov.step (buf = buf·μ + g, or g on
     the first step; θ − (g + buf·μ)·lr), so every node reaches the same bits."""
+    if names is not None:
+        part = OuterState(round=state.round, weights={n: state.weights[n] for n in names},
+                          outer=OuterNesterov(lr=state.outer.lr, momentum=state.outer.momentum), work=state.work)
+        part.outer.buffers = {n: state.outer.buffers[n] for n in names if n in state.outer.buffers}
+        new = apply_aggregates(part, payloads, work, codec)
+        outer = OuterNesterov(lr=state.outer.lr, momentum=state.outer.momentum)
+        outer.buffers = {**state.outer.buffers, **new.outer.buffers}
+        return OuterState(round=new.round, weights={**state.weights, **new.weights}, outer=outer, work=work)
     names = sorted(state.weights)
     numel = sum(state.weights[n].numel() for n in names)
     bounds = slice_bounds(numel, len(payloads))

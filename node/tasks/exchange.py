@@ -66,14 +66,17 @@ every aggregate of a task's last two deadlines before (2.8x the model after the 
 class Exchange:
     def __init__(self, *, shardcast, spec: TaskSpec, task_id: str, directory: Path, keypair: Keypair,
                  penalize: Callable[[str, str], None], num_params: Callable[[], int],
-                 banned: Callable[[str], bool] = lambda peer: False, gone: Callable[[str], bool] = lambda peer: False):
+                 banned: Callable[[str], bool] = lambda peer: False, gone: Callable[[str], bool] = lambda peer: False,
+                 fragment: Callable[[int], tuple[tuple[str, ...], int] | None] = lambda round_: None):
         self.shardcast, self.spec, self.tid, self.dir = shardcast, spec, task_id, directory
         self.codec = CODECS[spec.compression]
         """How the producers' slices are encoded."""
         self.out = CODECS[spec.aggregate_compression]
         """How the aggregates are encoded (block-wise: int8 unless the task says otherwise)."""
         self.num_params = num_params
-        """Values a round exchanges (known for an hf recipe only once the trainer has drawn θ_0)."""
+        """Values of the model's exchanged tensors (known for an hf recipe only once the trainer has drawn θ_0)."""
+        self.fragment = fragment
+        """(the tensors round r syncs, their values) under the task option ``fragments``; None: the whole model."""
         self.me, self.keypair, self.penalize, self.banned = keypair.peer_id, keypair, penalize, banned
         self.gone = gone
         """Whether a peer is gone by the membership's account (it says nothing of ourselves)."""
@@ -138,8 +141,13 @@ class Exchange:
     def _one_shard(self, nbytes: int) -> bool:
         return nbytes <= self.shardcast.config.shard_bytes
 
-    def _slice_numel(self, slice_index: int) -> int:
-        a, b = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)[slice_index]
+    def round_numel(self, round_: int | None) -> int:
+        """Values round ``round_`` exchanges: its fragment's, or the whole model's."""
+        part = self.fragment(round_) if round_ is not None else None
+        return self.num_params() if part is None else part[1]
+
+    def _slice_numel(self, slice_index: int, round_: int | None = None) -> int:
+        a, b = compute.slice_bounds(self.round_numel(round_), self.spec.aggregation_shards)[slice_index]
         return b - a
 
     # -- publishing ------------------------------------------------------------------------------
@@ -168,7 +176,7 @@ class Exchange:
             residual = kept[1] if kept is not None and kept[0] < round_ else \
                 await trio.to_thread.run_sync(task_files.load_residual, self.dir, round_)
             payloads, residual = await trio.to_thread.run_sync(
-                compute.split_with_feedback, delta, self.spec.aggregation_shards, self.codec, residual)
+                compute.fragment_with_feedback, delta, self.spec.aggregation_shards, self.codec, residual)
             self._residual = (round_, residual)
             # On disk for a restart, written off the round's path (lost in a crash, it costs only precision).
             await trio.to_thread.run_sync(task_files.save_residual, self.dir, round_, residual, True)
@@ -246,7 +254,7 @@ class Exchange:
 
     async def aggregate(self, job: Aggregate) -> Aggregated | None:
         """Fetch slice ``job.slice`` from every producer, verify, average and store it (None: nothing arrived)."""
-        numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
+        numel, deadline_s = self._slice_numel(job.slice, job.round), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
         got: dict[str, tuple[object, int]] = {}
         sources: dict[str, Manifest] = {}
 
@@ -327,7 +335,7 @@ class Exchange:
         """A producer's whole update as its slices decode (what aggregation uses), flat in sorted-name order:
         the training check's Δ̂. RemoteProtocolError when a slice is no slice of that round by that producer;
         TransportError or trio.TooSlowError when one cannot be fetched. The slices are released with the round."""
-        bounds = compute.slice_bounds(self.num_params(), self.spec.aggregation_shards)
+        bounds = compute.slice_bounds(self.round_numel(update.round), self.spec.aggregation_shards)
         if len(update.manifest_ids) != len(bounds):
             raise IntegrityError(f"an update of {len(update.manifest_ids)} slices, not {len(bounds)}")
         deadline_s = self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
@@ -360,7 +368,7 @@ class Exchange:
         this round by its producer, or the screen over the included and screened slices leaves out others
         than the aggregate says (a proof against the aggregate); None when one could not be fetched, or the
         rule weighs by samples and a listed update was never heard (nothing is decided)."""
-        numel, deadline_s = self._slice_numel(job.slice), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
+        numel, deadline_s = self._slice_numel(job.slice, job.round), self.spec.round_deadline_s * AGGREGATE_FETCH_SHARE
         if self.spec.aggregation.rule == "mean" and any(i.samples is None for i in job.inputs):
             return Verified(key=job.key, result_hash=None)
         label = f"task/{self.tid[:12]}/r{job.round}/u{job.slice}"
@@ -442,7 +450,7 @@ class Exchange:
             for candidate in candidates:
                 try:
                     manifest, data = await self._fetch_payload(
-                        candidate.manifest_id, candidate.aggregator, self._slice_numel(chosen.slice),
+                        candidate.manifest_id, candidate.aggregator, self._slice_numel(chosen.slice, job.round),
                         self.spec.round_deadline_s, kept=self._aggregates, round_=job.round, codec=self.out)
                     # The store verified every shard on arrival; this checks the aggregator's claim.
                     if payload_hash(manifest, data) != chosen.result_hash:
@@ -462,8 +470,9 @@ class Exchange:
             # Our weights will differ from the vote's winner; the vote then re-syncs us.
             log.warning("task %s round %d: an aggregate could not be fetched", self.tid[:12], job.round)
             return kept
-        new = await trio.to_thread.run_sync(compute.apply_aggregates, state, payloads,
-                                            state.work + round_work(job.chosen), self.out)
+        part = self.fragment(job.round)
+        new = await trio.to_thread.run_sync(lambda: compute.apply_aggregates(
+            state, payloads, state.work + round_work(job.chosen), self.out, names=None if part is None else part[0]))
         self._applied[job.round] = payloads
         for old in sorted(self._applied)[:-APPLIED_KEPT]:
             del self._applied[old]
@@ -478,7 +487,7 @@ class Exchange:
         payloads = self._applied.get(round_)
         if payloads is None:
             return None
-        bounds = compute.slice_bounds(self.num_params(), len(payloads))
+        bounds = compute.slice_bounds(self.round_numel(round_), len(payloads))
         return lambda: torch.cat([compute.decode_slice(p, b - a, self.out) for p, (a, b) in zip(payloads, bounds)])
 
     async def fetch_initial(self, manifest_hex: str) -> dict:

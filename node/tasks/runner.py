@@ -26,13 +26,14 @@ from safetensors import SafetensorError
 
 from node.tasks import compute, history, produced, task_files
 from node.tasks.checks import KEEP_ROUNDS as CHECKED_ROUNDS, TrainingChecks, shards_of
+from node.tasks.fragments import Drift
 from node.tasks.training_check import CHECK_BATCHES
 from node.tasks.exchange import Exchange
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
-from node.train.diloco import Named, flatten, save_named, unflatten
+from node.train.diloco import Named, flatten, fragments as fragments_of, save_named, unflatten
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
 from protocol.audit import Accused, FalseAccusation, Forged, Verify, open_proof
@@ -89,7 +90,8 @@ class TaskRunner:
         """The hf-* recipes' inputs and trainer requests; None for tiny-lm."""
         self.exchange = Exchange(shardcast=node.shardcast, spec=spec, task_id=tid, directory=directory,
                                  keypair=node.keypair, penalize=node.membership.penalize, num_params=self.num_params,
-                                 banned=node.membership.is_banned, gone=node.membership.is_gone)
+                                 banned=node.membership.is_banned, gone=node.membership.is_gone,
+                                 fragment=self.fragment)
         self.checks = TrainingChecks(spec=spec, task_id=tid, me=self.me, fetch_update=self.exchange.fetch_update,
                                      applied_mean=self.exchange.applied_mean,
                                      penalize=node.membership.penalize, publish=self._publish,
@@ -133,6 +135,10 @@ class TaskRunner:
         """Wall seconds spent recomputing others' aggregates (fetching their inputs included)."""
         self.verifications = 0
         self.trainer = None
+        self._fragments: list[tuple[tuple[str, ...], int]] | None = None
+        """The model's fragments and their sizes (task option fragments), worked out once from its layout."""
+        self.drift = Drift()
+        """This node's progress on the fragments not synced since it trained them (task option fragments)."""
         """The trainer child while the task trains (None before it starts and once the task is done)."""
         self.trainer_restarts = 0
         self.updates_resent = 0
@@ -332,6 +338,8 @@ class TaskRunner:
             if self.hf is not None:
                 await self.hf.setup(trainer)  # θ_0's layout, which checkpoints and fetched states are checked against
             self.state = await trio.to_thread.run_sync(task_files.load_checkpoint, self.dir, self.spec)
+            if self.spec.fragments > 1:
+                await trio.to_thread.run_sync(self._split)
             await self._drive(until_done=True)
         # Finished: the trainer is let go, and the node keeps serving and re-syncing (without evaluating).
         self.trainer = None
@@ -492,6 +500,10 @@ class TaskRunner:
         if result.carried_steps:
             self._round_ahead[job.round] = result.carried_steps
         self.train_s += result.seconds
+        part = self.fragment(job.round)
+        if part is not None:
+            # The round's update is this fragment's progress since its last sync; the rest drifts on.
+            await trio.to_thread.run_sync(self.drift.trained, job.round, Path(result.out_path), part[0])
         ids = await self.exchange.publish_update(Path(result.out_path), job.round)
         shards = shards_of(self.tid, job.round, self.me, list(job.members), self.spec.dataset.num_shards)
         trained = Trained(round=job.round, samples=result.samples, manifest_ids=tuple(ids),
@@ -649,12 +661,14 @@ class TaskRunner:
             shard_ranges = [ranges[i] for i in sorted(mine)]
         a = spec.adamw
         processes = self._processes()
+        weights = self.dir / "weights.safetensors"
+        base = await trio.to_thread.run_sync(self.drift.base, r, weights, self.dir / "local.safetensors") \
+            if spec.fragments > 1 else weights
         # Steps taken while the exchange runs (not past the last round), carried into the next round.
         overlap = round(spec.overlap * spec.inner_steps) if processes == 1 and r + 1 < spec.rounds else 0
         opt_in, opt_out = await trio.to_thread.run_sync(task_files.inner_opt_paths, self.dir, r)
         return await self.trainer.train(
-            model=self._model_request(), base_path=self.dir / "weights.safetensors", data_path=self.corpus_path,
-            shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,
+            model=self._model_request(), base_path=base, data_path=self.corpus_path, shard_ranges=shard_ranges, steps=spec.inner_steps, batch_size=spec.batch_size,
             seed=derive_seed(self.tid, r, self.me), out_path=self.dir / "update.safetensors",
             adamw=AdamWConfig(lr=a.lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
                               warmup_steps=a.warmup_steps),
@@ -704,6 +718,29 @@ class TaskRunner:
 
     def _model_request(self):
         return self.hf.model_request() if self.hf is not None else compute.model_config(self.spec)
+
+    def fragment(self, round_: int) -> tuple[tuple[str, ...], int] | None:
+        """(the tensors round ``round_`` syncs, their values) under the task option fragments; None: the whole
+        model."""
+        if self.spec.fragments <= 1:
+            return None
+        if self._fragments is None:
+            self._split()
+        return self._fragments[round_ % len(self._fragments)]
+
+    def _split(self) -> None:
+        """The model's fragments, from its layout; TaskRejected when one would be smaller than its slices (the
+        same decision on every node: it depends on the spec alone)."""
+        if self._fragments is not None:
+            return
+        weights = self.state.weights if self.state is not None else compute.initial_weights(self.spec)
+        sizes = {n: weights[n].numel() for n in weights}
+        split = fragments_of(sorted(sizes.items()), self.spec.fragments)
+        self._fragments = [(names, sum(sizes[n] for n in names)) for names in split]
+        smallest = min(n for _, n in self._fragments)
+        if smallest < self.spec.aggregation_shards:
+            raise TaskRejected(f"fragments = {self.spec.fragments} leaves a fragment of {smallest} values, fewer "
+                               f"than aggregation_shards ({self.spec.aggregation_shards}): use fewer of either")
 
     def num_params(self) -> int:
         """Values a round exchanges: the hf recipe's trainable tensors, or all of TinyLM."""

@@ -95,6 +95,39 @@ def weighted_mean_by_peer(updates: dict[str, tuple[Named, float]]) -> Named:
     return weighted_mean([updates[peer] for peer in sorted(updates)])
 
 
+def fragments(sizes: list[tuple[str, int]], count: int) -> list[tuple[str, ...]]:
+    """The model's tensors, (name, numel) in sorted-name order, cut into ``count`` contiguous fragments of about
+    equal size (Streaming DiLoCo, task option ``fragments``): each tensor goes to the fragment its middle value
+    falls in, every fragment gets at least one. ValueError when there are fewer tensors than fragments."""
+    if count < 1 or count > len(sizes):
+        raise ValueError(f"{count} fragments of a model of {len(sizes)} tensors: need 1..{len(sizes)}")
+    total = sum(n for _, n in sizes)
+    out: list[list[str]] = [[] for _ in range(count)]
+    at, last = 0, 0
+    for i, (name, n) in enumerate(sizes):
+        wanted = min(count - 1, (2 * at + n) * count // max(1, 2 * total))
+        # Never back, at most one fragment on per tensor, and the last tensors fill the fragments left.
+        last = max(min(wanted, last + (1 if i else 0)), last, count - (len(sizes) - i))
+        out[last].append(name)
+        at += n
+    return [tuple(f) for f in out]
+
+
+def streaming_update(delta: Named, drift: Named, names) -> tuple[Named, Named]:
+    """A round of Streaming DiLoCo from one member's side: ``delta`` is what it trained this round from θ_r − drift
+    (base − trained), ``drift`` its unsynced progress per tensor (θ_r − local; absent: none). Returns (the update
+    of the fragment ``names``: its whole progress since that fragment's last sync, drift + delta; the drift it
+    carries into the next round: the same on every other tensor)."""
+    total = {n: delta[n] + drift[n] if n in drift else delta[n] for n in delta}
+    synced = set(names)
+    return {n: total[n] for n in sorted(synced)}, {n: t for n, t in total.items() if n not in synced}
+
+
+def local_weights(theta: Named, drift: Named) -> Named:
+    """θ − drift per tensor: where a member's own model stands (Streaming DiLoCo), what its next round trains."""
+    return {n: theta[n] - drift[n] if n in drift else theta[n] for n in theta}
+
+
 class OuterNesterov:
     """SGD with Nesterov momentum on pseudo-gradients (torch.optim.SGD(nesterov=True) semantics).
 

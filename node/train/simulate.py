@@ -24,7 +24,8 @@ import torch
 from node.train.codecs import CODECS
 from node.train.compress import ErrorFeedback
 from node.train.data import DEFAULT_CORPUS_BYTES, build_corpus, derive_seed, split_corpus
-from node.train.diloco import Named, OuterNesterov, flatten, named_tensors, pseudo_gradient, unflatten, weighted_mean_by_peer
+from node.train.diloco import (Named, OuterNesterov, flatten, fragments as fragment_split, local_weights, named_tensors,
+                               pseudo_gradient, streaming_update, unflatten, weighted_mean_by_peer)
 from node.train.inner import AdamWConfig, InnerLoop, evaluate, train_inner
 from node.train.model import ModelConfig, init_model, num_params
 from protocol.rendezvous import assign_shards
@@ -135,6 +136,7 @@ def run_diloco(
     start: Named | None = None,
     overlap: str = "none",
     ahead: float = 0.9,
+    fragments: int = 1,
 ) -> SimResult:
     """DiLoCo rounds as the swarm runs them; bytes per node: one node's compressed update and its share of the
     mean, encoded by ``aggregate`` (reduce-scatter of each update to the aggregators, all-gather of the mean).
@@ -142,13 +144,19 @@ def run_diloco(
     With ``overlap`` (OVERLAPS) each worker takes ``ahead`` of a round's steps after sending its update, as
     if the exchange ran meanwhile, and rebases them onto the next round's weights (node/train/worker.py),
     which then trains only the rest of its steps. The outer optimizer left at None takes the compression's
-    defaults, as a task spec does (protocol.task.outer_defaults)."""
+    defaults, as a task spec does (protocol.task.outer_defaults).
+
+    With ``fragments`` F > 1 (Streaming DiLoCo, as the task option does: node/tasks/fragments.py) round r syncs
+    fragment r mod F of the model only, each worker trains on from its own weights (θ less its drift) and sends
+    that fragment's whole progress since its last sync; the outer step moves that fragment alone."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
     if aggregate not in AGGREGATE_COMPRESSIONS:
         raise ValueError(f"aggregate must be one of {AGGREGATE_COMPRESSIONS}, got {aggregate!r}")
+    if fragments > 1 and overlap != "none":
+        raise ValueError("fragments and overlap do not combine (as in a task spec)")
     t0 = time.monotonic()
     shards, heldout = _data(setup)
     theta = start if start is not None else start_weights(setup)
@@ -165,24 +173,28 @@ def run_diloco(
     samples = sent = 0
     steps_ahead = min(inner_steps, round(ahead * inner_steps)) if overlap != "none" else 0
     last_mean = None
+    split = fragment_split([(n, theta[n].numel()) for n in sorted(theta)], fragments)
+    drift: dict[str, Named] = {peer: {} for peer in peers}
     for round_index in range(rounds):
+        names = split[round_index % fragments]
         assignment = assign_shards(TASK_ID, round_index, peers, setup.num_shards)
         updates = {}
         for peer in peers:
             loop = loops.get(peer)
+            base = local_weights(theta, drift[peer])
             if loop is None:
-                loop = loops[peer] = InnerLoop(model_config=setup.model, weights=theta, adamw=setup.adamw)
+                loop = loops[peer] = InnerLoop(model_config=setup.model, weights=base, adamw=setup.adamw)
             elif peer in carried:
                 loop.rebase(theta, carried[peer][0])
             else:
-                loop.load(theta)
+                loop.load(base)
             done = carried.pop(peer, (None, 0))[1]
             loop.feed(b"".join(shards[i] for i in assignment[peer]), setup.batch_size,
                       derive_seed(TASK_ID, round_index, peer))
             for _ in range(inner_steps - done):
                 loop.step()
             samples += inner_steps * setup.batch_size
-            local = pseudo_gradient(theta, loop.weights())
+            local, drift[peer] = streaming_update(pseudo_gradient(base, loop.weights()), drift[peer], names)
             delta, layout = flatten(local)
             if steps_ahead and round_index + 1 < rounds:
                 if overlap == "eager":
@@ -196,7 +208,8 @@ def run_diloco(
                     loop.step()
                 carried[peer] = (ahead_from, steps_ahead)
             if codec is not None:  # below 8 bits and with top-k a node always keeps a residual (exchange.py)
-                payload = feedback[peer].encode("delta", delta) if feedback else codec.encode(delta)
+                payload = feedback[peer].encode(f"fragment{round_index % fragments}", delta) if feedback \
+                    else codec.encode(delta)
                 delta = codec.decode(payload, delta.numel())
                 up += len(payload)
             updates[peer] = ({"delta": delta}, inner_steps * setup.batch_size)
@@ -208,10 +221,11 @@ def run_diloco(
             up = 0
         else:
             sent += 2 * 4 * mean.numel()
-        theta = outer.step(theta, unflatten(mean, layout))
+        theta = {**theta, **outer.step({n: theta[n] for n in names}, unflatten(mean, layout))}
         last_mean = mean
     loss = _eval(setup, theta, heldout)
-    name = f"diloco-{compression}" + ("" if overlap == "none" else f"-{overlap}")
+    name = f"diloco-{compression}" + ("" if overlap == "none" else f"-{overlap}") + \
+        ("" if fragments == 1 else f"-f{fragments}")
     return SimResult(name=name, eval_loss=loss, samples=samples, bytes_per_node=sent, seconds=time.monotonic() - t0)
 
 

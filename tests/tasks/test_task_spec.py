@@ -212,7 +212,8 @@ def test_the_aggregation_option_travels_and_changes_the_id():
     assert spec.aggregation == AggregationSpec(rule="trimmed_mean", trim_fraction=0.2, norm_bound=3.0, spot_check=0.05,
                                                screen=True)
     assert decode(encode(spec)) == spec and task_id(spec) != LEGACY_ID
-    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - 3  # trainers and after: left off
+    # trainers and every field after it: left off
+    assert len(msgpack.unpackb(encode(spec))) == 2 + len(dataclasses.fields(TaskSpec)) - (len(TaskSpec.OPTIONAL_TAIL) - 1)
 
 
 def test_spot_checks_travel_in_the_spec_and_an_aggregation_table_from_before_them_decodes():
@@ -249,6 +250,12 @@ def test_the_default_sent_explicitly_is_refused_so_each_spec_has_one_encoding():
         decode(msgpack.packb(wire))
     wire[-1] = "int2"
     assert decode(msgpack.packb(wire)).aggregate_compression == "int2"
+    wire.append(1)  # fragments at its default: left off, never sent
+    with pytest.raises(DecodeError, match="default"):
+        decode(msgpack.packb(wire))
+    wire[-1] = 4
+    with pytest.raises(DecodeError, match="do not combine"):  # overlap is 0.5 here
+        decode(msgpack.packb(wire))
     wire.append("one too many")
     with pytest.raises(DecodeError, match="fields"):
         decode(msgpack.packb(wire))
