@@ -18,7 +18,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node.train.diloco import Named, load_named, local_weights, save_named, streaming_update
+from node.train.diloco import Named, fragments, load_named, local_weights, save_named, streaming_update
+from protocol.errors import TaskRejected
+
+
+def plan(weights: Named, count: int, slices: int) -> list[tuple[tuple[str, ...], int]]:
+    """The model's ``count`` fragments, (tensor names, values), from its layout; TaskRejected when one would hold
+    fewer values than the ``slices`` it is cut into (the same decision on every node: it depends on the spec)."""
+    sizes = {n: weights[n].numel() for n in weights}
+    split = [(names, sum(sizes[n] for n in names)) for names in fragments(sorted(sizes.items()), count)]
+    smallest = min(n for _, n in split)
+    if smallest < slices:
+        raise TaskRejected(f"fragments = {count} leaves a fragment of {smallest} values, fewer than "
+                           f"aggregation_shards ({slices}): use fewer of either")
+    return split
 
 
 class Drift:

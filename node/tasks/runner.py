@@ -12,7 +12,6 @@ aggregates in protocol/audit.py.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -20,20 +19,18 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
-import torch
 import trio
 from safetensors import SafetensorError
 
 from node.tasks import compute, history, produced, task_files
 from node.tasks.checks import KEEP_ROUNDS as CHECKED_ROUNDS, TrainingChecks, shards_of
-from node.tasks.fragments import Drift
-from node.tasks.training_check import CHECK_BATCHES
 from node.tasks.exchange import Exchange
+from node.tasks import fragments
+from node.tasks.fragments import Drift
 from node.tasks.hf_task import HFTask, check_trainer
 from node.tasks.ledger import Ledger
 from node.train.client import TrainerCrashed, TrainerRequestFailed, open_trainer
 from node.train.data import derive_seed, load_or_build, split_ranges
-from node.train.diloco import Named, flatten, fragments as fragments_of, save_named, unflatten
 from node.train.inner import AdamWConfig
 from p2p.api import GossipMessage
 from protocol.audit import Accused, FalseAccusation, Forged, Verify, open_proof
@@ -98,7 +95,7 @@ class TaskRunner:
                                      corpus=lambda: self.corpus_path,
                                      enabled=self.hf is None or spec.recipe == "hf-causal-lm",
                                      max_bytes=MAX_TASK_MESSAGE_BYTES,
-                                     measure=self._hf_gain if self.hf is not None else None)
+                                     measure=self.hf.gain if self.hf is not None else None)
         """Whether other contributors' updates trained on their own data (tiny-lm and hf-causal-lm tasks)."""
         if self.checks.enabled:
             self.exchange.slices_kept_rounds = CHECKED_ROUNDS - 1
@@ -135,11 +132,11 @@ class TaskRunner:
         """Wall seconds spent recomputing others' aggregates (fetching their inputs included)."""
         self.verifications = 0
         self.trainer = None
+        """The trainer child while the task trains (None before it starts and once the task is done)."""
         self._fragments: list[tuple[tuple[str, ...], int]] | None = None
         """The model's fragments and their sizes (task option fragments), worked out once from its layout."""
         self.drift = Drift()
         """This node's progress on the fragments not synced since it trained them (task option fragments)."""
-        """The trainer child while the task trains (None before it starts and once the task is done)."""
         self.trainer_restarts = 0
         self.updates_resent = 0
         """Rounds this process answered with the update a previous process of this node signed (produced.py)."""
@@ -686,36 +683,6 @@ class TaskRunner:
             data_path=self.corpus_path, data_range=heldout, num_batches=self.options.eval_batches,
             seed=derive_seed(self.tid, "eval"), batch_size=self.spec.batch_size, device=self._device())
 
-    async def _hf_gain(self, round_: int, producer: str, base: Named, delta: torch.Tensor,
-                       shards: list[int]) -> float | None:
-        """``producer``'s hf update's gain on the first batches it drew (TrainingChecks ``measure``), measured by
-        this node's trainer child, which holds the model: θ_r and Δ̂ go to it as files, removed after. None when
-        it cannot be measured here (no trainer, or the trainer failed it); nobody is judged on a guess."""
-        if self.trainer is None or self.corpus_path is None:
-            return None
-        stem = f"check-r{round_}-{hashlib.sha256(producer.encode()).hexdigest()[:16]}"
-        base_path, delta_path = self.dir / f"{stem}-base.safetensors", self.dir / f"{stem}-delta.safetensors"
-
-        def write() -> None:
-            _, layout = flatten(base)
-            save_named(base_path, base)
-            save_named(delta_path, unflatten(delta.to(torch.float32), layout))
-
-        try:
-            await trio.to_thread.run_sync(write)
-            reply = await self.trainer.request(
-                "gain", model=self._model_request(), base_path=str(base_path), delta_path=str(delta_path),
-                data_path=str(self.corpus_path), shard_ranges=[list(r) for r in self.hf.train_ranges(shards)],
-                seed=derive_seed(self.tid, round_, producer), batch_size=self.spec.batch_size,
-                count=CHECK_BATCHES, device=self._device())
-            return float(reply["gain"])
-        except (TrainerCrashed, TrainerRequestFailed, OSError, ValueError, IndexError) as exc:
-            log.warning("task %s round %d: %s's update not checked: %s", self.tid[:12], round_, producer, exc)
-            return None
-        finally:
-            for path in (base_path, delta_path):
-                path.unlink(missing_ok=True)
-
     def _model_request(self):
         return self.hf.model_request() if self.hf is not None else compute.model_config(self.spec)
 
@@ -724,23 +691,14 @@ class TaskRunner:
         model."""
         if self.spec.fragments <= 1:
             return None
-        if self._fragments is None:
-            self._split()
+        self._split()
         return self._fragments[round_ % len(self._fragments)]
 
     def _split(self) -> None:
-        """The model's fragments, from its layout; TaskRejected when one would be smaller than its slices (the
-        same decision on every node: it depends on the spec alone)."""
-        if self._fragments is not None:
-            return
-        weights = self.state.weights if self.state is not None else compute.initial_weights(self.spec)
-        sizes = {n: weights[n].numel() for n in weights}
-        split = fragments_of(sorted(sizes.items()), self.spec.fragments)
-        self._fragments = [(names, sum(sizes[n] for n in names)) for names in split]
-        smallest = min(n for _, n in self._fragments)
-        if smallest < self.spec.aggregation_shards:
-            raise TaskRejected(f"fragments = {self.spec.fragments} leaves a fragment of {smallest} values, fewer "
-                               f"than aggregation_shards ({self.spec.aggregation_shards}): use fewer of either")
+        """The model's fragments, once; TaskRejected if it cannot be cut so (fragments.plan)."""
+        if self._fragments is None:
+            weights = self.state.weights if self.state is not None else compute.initial_weights(self.spec)
+            self._fragments = fragments.plan(weights, self.spec.fragments, self.spec.aggregation_shards)
 
     def num_params(self) -> int:
         """Values a round exchanges: the hf recipe's trainable tensors, or all of TinyLM."""
