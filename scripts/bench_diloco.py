@@ -151,13 +151,13 @@ def run_swarm(setup, args, start, work_dir: Path, lab, *, arm: str) -> dict:
         run = TaskRun(swarm, fields)
         run.publish_init(init_path)
         tid = run.publish()
-        log(f"swarm of {args.workers} training task {tid[:16]} for {fields["rounds"]} rounds")
+        log(f"swarm of {args.workers} training task {tid[:16]} for {fields['rounds']} rounds")
         iface_before = interface_bytes(lab) if lab is not None else {}
         deadline, last_round = time.monotonic() + timeout_s(run.fields), None
         while not run.done() and not run.stopped() and time.monotonic() < deadline:
             r = min((run.mine(n).get("round") or 0) for n in swarm.nodes)
             if r != last_round:
-                log(f"  round {r}/{fields["rounds"]}")
+                log(f"  round {r}/{fields['rounds']}")
                 last_round = r
             time.sleep(0.5)
         run.collect()
