@@ -153,3 +153,38 @@ async def test_three_nodes_sync_one_fragment_a_round_and_agree_on_every_round(ne
         assert losses[-1] < losses[0], losses
         assert not runners[0].checks.enabled  # members train from their own weights: not what the checks judge
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_a_late_joiner_takes_the_whole_model_and_its_partial_momentum_and_agrees(network, tmp_path,
+                                                                                        monkeypatch):
+    # Joining after round 1 the swarm's momentum covers both fragments but has moved each a different number of
+    # times; the joiner fetches θ and that momentum, trains from θ_r (no drift of its own yet) and reaches the same
+    # weights and state as the others. The first two nodes hold round 2's outer step until it is there.
+    spec = tiny_spec(rounds=8, min_members=2, fragments=2)
+    tid = task_id(spec)
+    joined = trio.Event()
+    apply = Exchange.apply
+
+    async def held(self, state, job):
+        if job.round >= 2:
+            await joined.wait()
+        return await apply(self, state, job)
+
+    monkeypatch.setattr(Exchange, "apply", held)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, tmp_path, network)
+        a, b = [await swarm.add(n) for n in "ab"]
+        await swarm.connected()
+        await a.tasks.publish(spec)
+        await wait_until(lambda: runner(a, tid) is not None and len(runner(a, tid).agreement) >= 2, timeout_s=60)
+        c = await swarm.add("c")
+        await wait_until(lambda: runner(c, tid) is not None and runner(c, tid).state is not None, timeout_s=60)
+        joined.set()
+        await wait_until(lambda: all(finished(n, tid) for n in (a, b, c)), timeout_s=90)
+        late = runner(c, tid)
+        assert late.agreement and all(x["agreed"] for x in late.agreement), late.agreement
+        assert late.train_s > 0  # it trained rounds of its own, not only followed
+        assert len({runner(n, tid).state.weights_hash() for n in (a, b, c)}) == 1
+        assert len({runner(n, tid).state.state_hash() for n in (a, b, c)}) == 1
+        nursery.cancel_scope.cancel()
