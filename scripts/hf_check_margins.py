@@ -159,7 +159,8 @@ def main() -> None:
                 "threshold": threshold,
                 "min_honest_gain": round(min(pooled["honest"]), 4),
                 "honest_accused": caught["honest"], "honest_updates": len(pooled["honest"]),
-                "cheats": {k: {"max_gain": round(max(pooled[k]), 4), "caught_share": round(caught[k] / len(pooled[k]), 3)}
+                "cheats": {k: {"max_gain": round(max(pooled[k]), 4),
+                               "caught_share": round(caught[k] / len(pooled[k]), 3)}
                            for k in ("stale", "noise", "copy") if pooled.get(k)},
             }
     out = {

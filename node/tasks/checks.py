@@ -12,11 +12,10 @@ drops its updates on every honest node alike, since every one of them measured t
 
 What is checked: tiny-lm and hf-causal-lm tasks whose members train a whole round from its weights (no ``overlap``:
 steps carried from the last round trained on other batches; no ``fragments``: a member trains on from its own
-weights) and updates of training_check.CHECK_MIN_STEPS to
-CHECK_MAX_STEPS inner steps. An hf update's gain is measured by this node's trainer child, which holds the model
-(``measure``, node/train/recipes.py ``gain``), against its own threshold (UNTRAINED_GAIN_HF); hf updates are not
-judged as copies (their data does not tell a copy from an original), and hf-dpo updates are not judged (no
-margin measured).
+weights) and updates of training_check.CHECK_MIN_STEPS to CHECK_MAX_STEPS inner steps. An hf update's gain is
+measured by this node's trainer child, which holds the model (``measure``, node/train/recipes.py ``gain``), against
+the method's threshold (UNTRAINED_GAIN_HF); hf updates are not judged as copies (their data does not tell a copy
+from an original), and hf-dpo updates not at all (their margins do not tell a replay from an honest update).
 An update is judged on the shards it names (a producer reads its shards in that order): an honest producer
 names what it trained on, whatever a checker's view of the round's members. One whose base is not the round's
 weights here is not judged: nobody is charged on a guess.
@@ -215,7 +214,8 @@ class TrainingChecks:
                 await self.publish(TrainingProof(
                     task_id=self.tid, accuser=self.me, update=update[1], gain=own,
                     **({} if origin is None else {"original": origin[1], "advantage": gains[copy_of]})))
-        elif training_check.confirms(own, self.threshold) if original is None else training_check.confirms_copy(gains[original]):
+        elif training_check.confirms(own, self.threshold) if original is None \
+                else training_check.confirms_copy(gains[original]):
             self.counts["confirmed"] += 1
             self._found(round_, producer, own, by=accuser, copy_of=original, advantage=gains.get(original))
         else:

@@ -1,5 +1,5 @@
-"""The daemon's side of the hf-* recipes: fetch and check the model bundle and dataset, judge them, hand them to the trainer,
-and ask it to measure others' updates for the training checks (``gain``).
+"""The daemon's side of the hf-* recipes: fetch and check the model bundle and dataset, judge them, hand them to the
+trainer, and ask it to measure others' updates for the training checks (``gain``).
 
 Every refusal here is a TaskRejected with the reason (the task shows "declined"): a model directory
 with pickle or remote code, a dataset whose bytes do not hash to the spec's sha256, a tokenizer that
@@ -169,7 +169,8 @@ class HFTask:
     def heldout_range(self) -> tuple[int, int]:
         return self._split()[1]
 
-    async def gain(self, round_: int, producer: str, base: Named, delta: torch.Tensor, shards: list[int]) -> float | None:
+    async def gain(self, round_: int, producer: str, base: Named, delta: torch.Tensor,
+                   shards: list[int]) -> float | None:
         """``producer``'s update's gain on the first batches it drew (TrainingChecks ``measure``), measured by this
         node's trainer child, which holds the model: θ_r and Δ̂ go to it as files, removed after. None when it
         cannot be measured here (no trainer, or the trainer failed it): nobody is judged on a guess."""
