@@ -45,12 +45,13 @@ class Drift:
         """Whether a drift applies to round ``round_`` (the one after the round this node trained last)."""
         return self._round == round_ and bool(self._drift)
 
-    def base(self, round_: int, weights_path: Path, out_path: Path) -> Path:
+    def base(self, round_: int, weights: Named | None, weights_path: Path, out_path: Path) -> Path:
         """Where round ``round_`` trains from: ``weights_path`` (θ_r) itself when no drift applies, else θ_r less
-        the drift, written to ``out_path``."""
+        the drift, written to ``out_path``. ``weights``: θ_r as the node holds it (read from the file if None)."""
         if not self.held(round_):
             return weights_path
-        save_named(out_path, local_weights(load_named(weights_path), self._drift), durable=False)
+        theta = weights if weights is not None else load_named(weights_path)
+        save_named(out_path, local_weights(theta, self._drift), durable=False)
         return out_path
 
     def trained(self, round_: int, delta_path: Path, names: tuple[str, ...]) -> None:

@@ -659,7 +659,8 @@ class TaskRunner:
         a = spec.adamw
         processes = self._processes()
         weights = self.dir / "weights.safetensors"
-        base = await trio.to_thread.run_sync(self.drift.base, r, weights, self.dir / "local.safetensors") \
+        held = self.state.weights if self.state is not None and self.state.round == r else None
+        base = await trio.to_thread.run_sync(self.drift.base, r, held, weights, self.dir / "local.safetensors") \
             if spec.fragments > 1 else weights
         # Steps taken while the exchange runs (not past the last round), carried into the next round.
         overlap = round(spec.overlap * spec.inner_steps) if processes == 1 and r + 1 < spec.rounds else 0

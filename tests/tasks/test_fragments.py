@@ -46,14 +46,14 @@ def test_a_member_sends_a_fragment_s_whole_progress_since_its_last_sync_and_trai
     save_named(weights, theta)
     drift, delta = Drift(), tmp_path / "update.safetensors"
     # Round 0 syncs a: its update is what the round trained on a; b's progress drifts on.
-    assert drift.base(0, weights, tmp_path / "local.safetensors") == weights
+    assert drift.base(0, None, weights, tmp_path / "local.safetensors") == weights
     save_named(delta, {"a": torch.full((3,), 1.0), "b": torch.full((2,), 2.0)})
     drift.trained(0, delta, ("a",))
     assert set(load_named(delta)) == {"a"} and torch.equal(load_named(delta)["a"], torch.full((3,), 1.0))
     # Round 1 trains from θ_1 less the drift (b where this member left it), and syncs b: both rounds' progress.
     theta1 = {"a": torch.full((3,), -0.5), "b": torch.zeros(2)}
     save_named(weights, theta1)
-    base = drift.base(1, weights, tmp_path / "local.safetensors")
+    base = drift.base(1, theta1, weights, tmp_path / "local.safetensors")
     local = load_named(base)
     assert torch.equal(local["a"], theta1["a"]) and torch.equal(local["b"], torch.full((2,), -2.0))
     save_named(delta, {"a": torch.full((3,), 0.25), "b": torch.full((2,), 0.5)})
@@ -61,7 +61,7 @@ def test_a_member_sends_a_fragment_s_whole_progress_since_its_last_sync_and_trai
     assert set(load_named(delta)) == {"b"} and torch.equal(load_named(delta)["b"], torch.full((2,), 2.5))
     # A round this node did not follow (it re-synced, skipped one or restarted) trains from θ_r itself.
     assert drift.held(2) and not drift.held(3)
-    assert drift.base(3, weights, tmp_path / "local.safetensors") == weights
+    assert drift.base(3, None, weights, tmp_path / "local.safetensors") == weights
     # The same arithmetic as the in-process simulation's.
     update, carried = streaming_update({"a": torch.ones(1), "b": torch.ones(1)}, {"b": torch.ones(1)}, ("b",))
     assert update == {"b": torch.full((1,), 2.0)} and carried == {"a": torch.ones(1)}
