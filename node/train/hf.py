@@ -80,6 +80,28 @@ def build(config: HFConfig, device: torch.device | str = "cpu"):
     return model, trainable
 
 
+_built: dict = {}
+"""The worker's one kept model (``built``): key -> (model, trainable)."""
+
+
+def built(config: HFConfig, device: torch.device | str = "cpu"):
+    """``build``'s (model, trainable), kept for the next request of the same model in this trainer child:
+    a round trains, evaluates and checks others' updates with one model, and loading it each time cost more
+    than the work at small sizes. Every user loads the trainable tensors it needs (load_trainable) and sets
+    train or eval mode; the frozen rest is never written (LoRA's base; full fine-tuning trains every
+    parameter). Keyed by the config, the device and the model files' sizes and times, so a changed directory
+    is loaded again; one model is kept at a time."""
+    files = sorted(Path(config.model_dir).glob("*"))
+    key = (config, str(device), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()))
+    if key not in _built:
+        _built.clear()  # the old model's memory goes before the new one is loaded
+        _built[key] = build(config, device)
+    model, trainable = _built[key]
+    for p in trainable.values():
+        p.grad = None
+    return model, trainable
+
+
 @torch.no_grad()
 def initial_trainable(config: HFConfig, seed: int) -> Named:
     """θ_0 of what a round exchanges. LoRA: A drawn from one seeded generator in sorted-name order (peft's

@@ -70,7 +70,7 @@ def train(req: dict, *, device, progress, ranks=None) -> dict:
     base = load_named(req["base_path"])
     recs = hf.records(req["data_path"])
     chosen = [r for a, b in hf.check_ranges(req.get("shard_ranges"), len(recs)) for r in recs[a:b]]
-    model, trainable = hf.build(config, device if ranks is None else ranks.build_device())
+    model, trainable = hf.built(config, device) if ranks is None else hf.build(config, ranks.build_device())
     hf.load_trainable(trainable, base)
     if ranks is not None and ranks.shard:
         ranks.prepare(model)
@@ -102,7 +102,8 @@ def evaluate(req: dict, *, device) -> dict:
     config = _config(req)
     recs = hf.records(req["data_path"])
     (start, end), = hf.check_ranges([req.get("data_range")], len(recs))
-    model = hf.model_with(config, load_named(req["weights_path"]), device)
+    model, trainable = hf.built(config, device)
+    hf.load_trainable(trainable, load_named(req["weights_path"]))
     count = int(req["num_batches"]) * int(req.get("batch_size") or 8)
     if config.recipe == "hf-dpo":
         return dpo.evaluate(config, model, recs[start:end], count, device)
@@ -128,7 +129,7 @@ def gain(req: dict, *, device) -> dict:
     count, batch_size, seed = int(req["count"]), int(req["batch_size"]), int(req["seed"])
     if count < 1:
         raise ValueError("count must be at least 1")
-    model, trainable = hf.build(config, device)
+    model, trainable = hf.built(config, device)
     model.eval()
     make = dpo.loss_fn if config.recipe == "hf-dpo" else hf.causal_loss_fn
 
