@@ -116,8 +116,8 @@ async def _rounds(num_params: int, *, producers: int, slices: int, rounds: int, 
         # Rounds here run back to back without training: keep the aggregates a node whose rounds take minutes
         # keeps (a round's aggregates live two round deadlines past their two rounds, for joiners that follow).
         exchange.aggregate_retention_s = 0.0
-        # Slices live as long as on a node whose training checks run (tiny-lm tasks): two rounds past their apply.
-        exchange.slices_kept_rounds = CHECKED_ROUNDS - 1
+        # Slices live as long as on a node whose training checks run (tiny-lm tasks): three rounds past their apply.
+        exchange.slices_kept_rounds = CHECKED_ROUNDS
         for r in range(rounds):
             # Fresh bytes every round (a content-addressed store would otherwise keep one copy), untimed.
             delta["w"][0] = 1e-3 * (r + 1)

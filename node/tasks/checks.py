@@ -48,6 +48,9 @@ MAX_FINDINGS = 32
 """Untrained updates remembered for operators (``shoal task show``)."""
 MAX_CHECKS_PER_ROUND = 64
 """Checks one node runs for one round at most (its own share is about one): proofs beyond are not followed."""
+KEPT_UPDATE_BYTES = 256 << 20
+"""Fetched updates kept in memory for a second measure of the same update (a peer's proof that it copied one this
+node did not measure it against), while their round is kept: by then the slices may be released everywhere."""
 
 
 class TrainingChecks:
@@ -92,6 +95,8 @@ class TrainingChecks:
         self._copies: dict[int, list[str]] = {}
         """Per round, the producers the screen left out as near copies of each other."""
         self._running: dict[tuple[int, str], trio.Event] = {}
+        self._updates: OrderedDict[tuple[int, str], object] = OrderedDict()
+        """Per (round, producer), its update as fetched for a check, up to KEPT_UPDATE_BYTES in all."""
         self._per_round: Counter[int] = Counter()
         self._pending: dict[int, list[tuple[str, str, str | None]]] = {}
         """Per round not applied here yet, the proofs that arrived early: (producer, accuser, original)."""
@@ -121,7 +126,7 @@ class TrainingChecks:
         self._bases[round_] = base, self.applied_mean(round_)
         _trim(self._bases)
         oldest = round_ - KEEP_ROUNDS + 1
-        for table in (self._gains, self._sealed, self._unjudged):
+        for table in (self._gains, self._sealed, self._unjudged, self._updates):
             for old in [k for k in table if k[0] < oldest]:
                 del table[old]
         self._copies[round_] = list(copies)
@@ -190,7 +195,9 @@ class TrainingChecks:
         others = [original] if original is not None else \
             [p for p in copies if p != producer] if producer in copies else []
         held = self._sealed.get((round_, producer)), {p: self._sealed.get((round_, p)) for p in others}
-        gains = await self._measured(round_, producer, others)
+        # The round's weights and mean as they were when the check began: it may wait for another measure of the
+        # same update, and rounds applied meanwhile must not take them away.
+        gains = await self._measured(round_, producer, others, self._bases.get(round_))
         if gains is None or producer not in gains or (original is not None and original not in gains):
             self.counts["unjudged"] += 1
             log.info("task %s round %d: %s's update not judged here%s (%s)", self.tid[:12], round_, producer,
@@ -248,7 +255,8 @@ class TrainingChecks:
         del rounds[:-4]
         self.penalize(producer, "untrained_again" if training_check.banned_at(sorted(rounds)) else "untrained_update")
 
-    async def _measured(self, round_: int, producer: str, others: list[str]) -> dict[str, float] | None:
+    async def _measured(self, round_: int, producer: str, others: list[str],
+                        kept: tuple[compute.OuterState, Callable[[], object] | None] | None) -> dict[str, float] | None:
         """``producer``'s update's gain on its own batches (under its own name) and its own_advantage over each
         of ``others`` whose batches can be judged here (under theirs), measured once each; None when the update
         itself cannot be judged."""
@@ -264,7 +272,7 @@ class TrainingChecks:
         self._running[key] = trio.Event()
         try:
             owners = [o for o in [producer, *others] if o not in gains]
-            measured = await self._measure(round_, producer, owners, gains)
+            measured = await self._measure(round_, producer, owners, gains, kept)
             if measured is None and gains:
                 # Measured before, not again now: what was measured stands, the new owners go unjudged.
                 self._unjudged.setdefault(key, set()).update(owners)
@@ -286,12 +294,14 @@ class TrainingChecks:
         steps = update.samples // self.spec.batch_size
         return (list(update.shards), steps) if training_check.judged(steps) and update.shards else None
 
-    async def _measure(self, round_: int, producer: str, owners: list[str],
-                       gains: dict[str, float]) -> dict[str, float] | None:
-        """``gains`` with ``producer``'s update measured for each owner (_measured); None when the update cannot
-        be judged (its batches or base are not this node's view of the round, or it cannot be fetched)."""
+    async def _measure(self, round_: int, producer: str, owners: list[str], gains: dict[str, float],
+                       kept: tuple[compute.OuterState, Callable[[], object] | None] | None
+                       ) -> dict[str, float] | None:
+        """``gains`` with ``producer``'s update measured for each owner (_measured) by ``kept``, the round's
+        (θ_r, applied mean); None when the update cannot be judged (its batches or base are not this node's view
+        of the round, or it cannot be fetched)."""
         got, corpus = self._sealed.get((round_, producer)), self.corpus()
-        base, mean = self._bases.get(round_, (None, None))
+        base, mean = kept or (None, None)
         own = self._batches_of(round_, producer)
         if got is None or base is None or corpus is None or own is None or got[0].base_hash != base.weights_hash():
             log.info("task %s round %d: %s's update not judged: %s", self.tid[:12], round_, producer,
@@ -303,12 +313,8 @@ class TrainingChecks:
         batches = {o: b for o in owners if (b := self._batches_of(round_, o)) is not None
                    and (o == producer or reference is not None)}
         self._unjudged.setdefault((round_, producer), set()).update(o for o in owners if o not in batches)
-        log.debug("task %s round %d: fetching %s's update to check it", self.tid[:12], round_, producer)
-        try:
-            delta = await self.fetch_update(got[0])
-        except (RemoteProtocolError, TransportError, trio.TooSlowError, OSError) as exc:
-            log.info("task %s round %d: %s's update not fetched for its check: %s", self.tid[:12], round_, producer,
-                     str(exc) or "timed out")
+        delta = await self._fetched(got[0])
+        if delta is None:
             return None
         started = trio.current_time()
         if self.measure is not None:
@@ -328,6 +334,26 @@ class TrainingChecks:
         finally:
             self.seconds += trio.current_time() - started
         return {**gains, **measured}
+
+    async def _fetched(self, update: UpdateAnnounce):
+        """``update`` as fetched (Exchange.fetch_update), or as kept from an earlier check of it; None when it
+        cannot be fetched."""
+        key = (update.round, update.producer)
+        if key in self._updates:
+            return self._updates[key]
+        log.debug("task %s round %d: fetching %s's update to check it", self.tid[:12], *key)
+        try:
+            delta = await self.fetch_update(update)
+        except (RemoteProtocolError, TransportError, trio.TooSlowError, OSError) as exc:
+            log.info("task %s round %d: %s's update not fetched for its check: %s", self.tid[:12], *key,
+                     str(exc) or "timed out")
+            return None
+        size = delta.numel() * delta.element_size()
+        if size <= KEPT_UPDATE_BYTES and (update.round >= min(self._bases) if self._bases else True):
+            self._updates[key] = delta
+            while sum(d.numel() * d.element_size() for d in self._updates.values()) > KEPT_UPDATE_BYTES:
+                self._updates.popitem(last=False)
+        return delta
 
     def _gains_on(self, base: Named, delta, corpus: Path, round_: int, producer: str, own: tuple[list[int], int],
                   batches: dict[str, tuple[list[int], int]], reference: Callable[[], object] | None

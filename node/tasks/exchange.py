@@ -97,7 +97,8 @@ class Exchange:
         self.slices_kept_rounds = 1
         """Rounds a round's slices outlive it: one by default (a slow aggregator may still be fetching); as many as
         the training checks keep rounds when they run (node/tasks/checks.py KEEP_ROUNDS), for a check or a proof
-        that fetches whole updates after their round is applied."""
+        that fetches whole updates after their round is applied: a check may begin as late as its round's last
+        kept one, and its producer be a round ahead of it by then."""
         self._aggregates_done_at: dict[int, float] = {}
         self._state: bytes | None = None
         """The state this node serves (published or fetched here last; see _keep_state)."""

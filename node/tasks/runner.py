@@ -98,7 +98,7 @@ class TaskRunner:
                                      measure=self.hf.gain if self.hf is not None else None)
         """Whether other contributors' updates trained on their own data (tiny-lm and hf-causal-lm tasks)."""
         if self.checks.enabled:
-            self.exchange.slices_kept_rounds = CHECKED_ROUNDS - 1
+            self.exchange.slices_kept_rounds = CHECKED_ROUNDS
         self.state: compute.OuterState | None = None
         self.phase = "starting"
         self.detail = ""
