@@ -145,6 +145,8 @@ def task_samples(node) -> Iterable[Sample]:
                t.get("train_seconds", 0.0))
         yield ("shoal_task_verify_seconds_total", "counter", "Seconds spent recomputing others' aggregates "
                "(their inputs' fetch included)", task, t.get("verify_seconds", 0.0))
+        yield ("shoal_task_verify_compute_seconds_total", "counter", "Of which recomputing, once the inputs were "
+               "fetched", task, t.get("verify_compute_seconds", 0.0))
         yield ("shoal_task_verifications_total", "counter", "Aggregates this node recomputed", task,
                t.get("verifications", 0))
         yield ("shoal_task_trainer_restarts_total", "counter", "Times the trainer child died and was restarted",

@@ -24,8 +24,10 @@ started). Per run, read from the honest nodes:
     honest_excluded_share     the same for the honest producers
     time_to_ban_s             from publishing the task until the last honest node banned every attacker
                               (None: some honest node never did); over seeds, the slowest
-    verification_share        seconds spent recomputing aggregates and measuring others' updates (the
-                              training checks) over seconds training, honest nodes
+    verification_share        verification compute over training compute, honest nodes: seconds spent
+                              recomputing aggregates once their inputs are fetched, and measuring others'
+                              updates (the training checks), over seconds training
+    verification_wall_share   the same with the recomputations' fetches counted (waiting on peers and links)
     check_seconds             of which the training checks, per honest node
     check_share               the training checks' seconds alone over seconds training
     deadlines_waited_out      per honest node, the phases (collect, gather, vote) that ran to the round's
@@ -157,8 +159,10 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         "malicious_excluded_share": excluded(bad) if bad and attack not in ("forge", "equivocate") else None,
         "honest_excluded_share": excluded(honest),
         "time_to_ban_s": None if banned_at is None else round(banned_at, 1),
-        "verification_share": round(sum(t.get("verify_seconds", 0.0) + _checks(t).get("seconds", 0.0) for t in tasks)
-                                    / train_s, 4) if train_s else None,
+        "verification_share": round(sum(t.get("verify_compute_seconds", 0.0) + _checks(t).get("seconds", 0.0)
+                                        for t in tasks) / train_s, 4) if train_s else None,
+        "verification_wall_share": round(sum(t.get("verify_seconds", 0.0) + _checks(t).get("seconds", 0.0)
+                                             for t in tasks) / train_s, 4) if train_s else None,
         "verifications": [t.get("verifications", 0) for t in tasks],
         "check_seconds": [_checks(t).get("seconds", 0.0) for t in tasks],
         "check_share": round(sum(_checks(t).get("seconds", 0.0) for t in tasks) / train_s, 4) if train_s else None,
@@ -193,6 +197,7 @@ def _summary(runs: list[dict]) -> dict:
         "honest_excluded_share": _mean([r["honest_excluded_share"] for r in runs]),
         "time_to_ban_s": max(bans) if None not in bans else None,
         "verification_share": _mean([r["verification_share"] for r in runs]),
+        "verification_wall_share": _mean([r["verification_wall_share"] for r in runs]),
         "check_share": _mean([r["check_share"] for r in runs]),
         "hashes_agree": all(r["hashes_agree"] for r in runs),
         "runs": runs,
@@ -248,6 +253,8 @@ def main() -> None:
         "attacks": {a: {k: first[a][k] for k in ("loss_vs_clean_pct", "loss_vs_honest_only_pct", "malicious_excluded_share",
                                                  "honest_excluded_share", "time_to_ban_s")} for a in attacks},
         "verification_share": max(shares) if shares else None,
+        "verification_wall_share": max((o["verification_wall_share"] for s in results.values() for o in s.values()
+                                        if o["verification_wall_share"] is not None), default=None),
         "setups": results, "rounds": args.rounds, "inner_steps": args.inner_steps, "seeds": seeds,
         "seconds": round(time.monotonic() - t0, 1),
     }

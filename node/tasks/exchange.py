@@ -100,6 +100,8 @@ class Exchange:
         that fetches whole updates after their round is applied: a check may begin as late as its round's last
         kept one, and its producer be a round ahead of it by then."""
         self._aggregates_done_at: dict[int, float] = {}
+        self.verify_compute_s = 0.0
+        """Seconds recomputing others' aggregates once their inputs were fetched (verify): its compute."""
         self._state: bytes | None = None
         """The state this node serves (published or fetched here last; see _keep_state)."""
         self._applied: dict[int, list] = {}
@@ -401,6 +403,14 @@ class Exchange:
             return Verified(key=job.key, result_hash=UNDECODABLE)
         if missing:
             return Verified(key=job.key, result_hash=None)
+        started = trio.current_time()
+        try:
+            return await self._recompute(job, got, numel)
+        finally:
+            self.verify_compute_s += trio.current_time() - started
+
+    async def _recompute(self, job: Verify, got: dict, numel: int) -> Verified:
+        """The verification's own compute, once its inputs are here: combine and hash."""
         if job.screened:
             claimed = {i.producer: why for i, why in job.screened}
             try:

@@ -165,6 +165,7 @@ class TaskRunner:
             "dropped": m["dropped"],
             "train_seconds": round(self.train_s, 2), "round_seconds": round(self.rounds_s, 2),
             "verify_seconds": round(self.verify_s, 2), "verifications": self.verifications,
+            "verify_compute_seconds": round(self.exchange.verify_compute_s, 3),
             "receipts": self.ledger.count, "receipt_errors": self.ledger.errors,
             "screened": dict(self.exchange.screened), "screened_applied": dict(self.screened_applied),
             "training_checks": self.checks.status(),
