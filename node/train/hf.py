@@ -102,6 +102,13 @@ def built(config: HFConfig, device: torch.device | str = "cpu"):
     return model, trainable
 
 
+def forget() -> None:
+    """Drop the kept model (``built``), before work that holds its own copies: ranks training on the devices."""
+    _built.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @torch.no_grad()
 def initial_trainable(config: HFConfig, seed: int) -> Named:
     """θ_0 of what a round exchanges. LoRA: A drawn from one seeded generator in sorted-name order (peft's

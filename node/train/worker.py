@@ -139,6 +139,9 @@ def handle_train(req: dict) -> dict:
     asked = _field(req, "processes", int, 1)
     world = usable_processes(asked, _field(req, "batch_size", int), device.type == "cuda")
     if world > 1:
+        if _recipes().is_hf(_field(req, "model", dict)):
+            from node.train import hf
+            hf.forget()  # each rank builds its own on its device: no idle copy in this process beside them
         shard = req.get("shard") is True
         _log(f"train id={req.get('id')}: {world} processes ({'NCCL on CUDA' if device.type == 'cuda' else 'gloo'}"
              f"{', the model sharded (FSDP)' if shard else ''})")
