@@ -246,3 +246,44 @@ def test_only_updates_within_the_steps_the_margin_was_measured_at_are_judged():
     assert training_check.judged(training_check.CHECK_MIN_STEPS) and training_check.judged(training_check.CHECK_MAX_STEPS)
     # Hundreds of steps at a high rate made honest updates fail the check (the netlab partition test): not judged.
     assert not training_check.judged(training_check.CHECK_MAX_STEPS + 1) and not training_check.judged(2000)
+
+
+async def test_an_update_measured_again_against_another_producer_is_not_fetched_again(tmp_path, monkeypatch):
+    # A peer's proof that the update copied a producer this node did not measure it against comes after the first
+    # check, when the update's slices may be released everywhere: the update as first fetched is measured again,
+    # until its round is no longer kept.
+    import torch
+
+    from node.tasks import compute
+    spec = tiny_spec(inner_steps=12)
+    tid = task_id(spec)
+    state = compute.new_state(spec)
+    numel = sum(t.numel() for t in state.weights.values())
+    fetched: list[str] = []
+
+    async def fetch(update):
+        fetched.append(update.producer)
+        return torch.zeros(numel)
+
+    monkeypatch.setattr(TrainingChecks, "_gains_on", lambda self, base, delta, corpus, round_, producer, own, batches,
+                        reference: {o: (0.1 if o == producer else 0.05) for o in batches})
+    checks = TrainingChecks(spec=spec, task_id=tid, me=Keypair.from_label("me").peer_id, fetch_update=fetch,
+                            applied_mean=lambda r: lambda: torch.zeros(numel), penalize=lambda *_: None,
+                            publish=None, corpus=lambda: tmp_path, enabled=True, max_bytes=1 << 20)
+    copier, original = (Keypair.from_label(x).peer_id for x in ("copier", "original"))
+    for i, producer in enumerate((copier, original)):
+        checks.heard(UpdateAnnounce(task_id=tid, round=0, producer=producer, base_hash=state.weights_hash(),
+                                    samples=12 * spec.batch_size, manifest_ids=("ab" * 32,), losses=(), shards=(i,)),
+                     b"sealed")
+    async with trio.open_nursery() as nursery:
+        checks.trained(0)
+        checks.applied(0, state, [copier, original], nursery)  # this node contributed nothing: it checks nobody
+    first = await checks._measured(0, copier, [], checks._bases[0])
+    again = await checks._measured(0, copier, [original], checks._bases[0])
+    assert first == {copier: 0.1} and again == {copier: 0.1, original: 0.05}
+    assert fetched == [copier]
+    for r in (1, 2, 3):
+        checks.trained(r)
+        async with trio.open_nursery() as nursery:
+            checks.applied(r, state, [copier, original], nursery)
+    assert not checks._updates  # gone with its round
