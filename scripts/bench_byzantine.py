@@ -152,6 +152,12 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         return round(1 - sum(credits.get(n.peer_id, 0) for n in group) / possible, 4) if possible else None
 
     train_s = sum(t.get("train_seconds", 0.0) for t in tasks)
+
+    def share(recomputing: str) -> float | None:
+        """The training checks' seconds and those under ``recomputing``, over the seconds training."""
+        return round(sum(t.get(recomputing, 0.0) + _checks(t).get("seconds", 0.0) for t in tasks) / train_s, 4) \
+            if train_s else None
+
     return {
         "final_eval_loss": tasks[0]["eval_losses"][-1][1] if tasks[0]["eval_losses"] else None,
         "eval_losses": [x for _, x in tasks[0]["eval_losses"]],
@@ -159,10 +165,8 @@ def run_one(work: Path, attack: str, nodes: int, attackers: int, rounds: int, in
         "malicious_excluded_share": excluded(bad) if bad and attack not in ("forge", "equivocate") else None,
         "honest_excluded_share": excluded(honest),
         "time_to_ban_s": None if banned_at is None else round(banned_at, 1),
-        "verification_share": round(sum(t.get("verify_compute_seconds", 0.0) + _checks(t).get("seconds", 0.0)
-                                        for t in tasks) / train_s, 4) if train_s else None,
-        "verification_wall_share": round(sum(t.get("verify_seconds", 0.0) + _checks(t).get("seconds", 0.0)
-                                             for t in tasks) / train_s, 4) if train_s else None,
+        "verification_share": share("verify_compute_seconds"),
+        "verification_wall_share": share("verify_seconds"),
         "verifications": [t.get("verifications", 0) for t in tasks],
         "check_seconds": [_checks(t).get("seconds", 0.0) for t in tasks],
         "check_share": round(sum(_checks(t).get("seconds", 0.0) for t in tasks) / train_s, 4) if train_s else None,
@@ -247,14 +251,16 @@ def main() -> None:
                     loss = out["final_eval_loss"]
                     out[f"loss_vs_{base}_pct"] = None if loss is None or not ref else round(100 * (loss - ref) / ref, 2)
     first = results[next(iter(setups))]
-    shares = [o["verification_share"] for s in results.values() for o in s.values() if o["verification_share"] is not None]
+
+    def most(key: str) -> float | None:
+        return max((o[key] for s in results.values() for o in s.values() if o[key] is not None), default=None)
+
     report = {
         "command": " ".join(["python", "scripts/bench_byzantine.py", *sys.argv[1:]]),
         "attacks": {a: {k: first[a][k] for k in ("loss_vs_clean_pct", "loss_vs_honest_only_pct", "malicious_excluded_share",
                                                  "honest_excluded_share", "time_to_ban_s")} for a in attacks},
-        "verification_share": max(shares) if shares else None,
-        "verification_wall_share": max((o["verification_wall_share"] for s in results.values() for o in s.values()
-                                        if o["verification_wall_share"] is not None), default=None),
+        "verification_share": most("verification_share"),
+        "verification_wall_share": most("verification_wall_share"),
         "setups": results, "rounds": args.rounds, "inner_steps": args.inner_steps, "seeds": seeds,
         "seconds": round(time.monotonic() - t0, 1),
     }

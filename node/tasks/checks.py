@@ -348,8 +348,7 @@ class TrainingChecks:
             log.info("task %s round %d: %s's update not fetched for its check: %s", self.tid[:12], *key,
                      str(exc) or "timed out")
             return None
-        size = delta.numel() * delta.element_size()
-        if size <= KEPT_UPDATE_BYTES and (update.round >= min(self._bases) if self._bases else True):
+        if delta.numel() * delta.element_size() <= KEPT_UPDATE_BYTES:  # dropped with its round (applied)
             self._updates[key] = delta
             while sum(d.numel() * d.element_size() for d in self._updates.values()) > KEPT_UPDATE_BYTES:
                 self._updates.popitem(last=False)

@@ -2,7 +2,7 @@
 
 It knows nothing of the runner: it is handed the store, the spec, the model's size and how to charge a peer, and it
 answers the task machine's work effects (Aggregate, Apply, FetchState) with their results.
-Just past 500 lines: every fetch and publish of a task's bytes shares one verification path (_fetch) and one
+Past 500 lines: every fetch and publish of a task's bytes shares one verification path (_fetch) and one
 release bookkeeping (_slices, _aggregates, _states), which a split would have to pass between modules.
 """
 
