@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail-rounds", type=int, default=TAIL_ROUNDS, help="rounds left without kills at the end")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep node data dirs and logs")
+    parser.add_argument("--work-dir", type=Path, help="node data and logs go here and stay (default: a temporary "
+                        "folder, removed after a run that met every target unless --keep)")
     args = parser.parse_args(argv)
     if not 0 < args.minutes <= 60:
         parser.error("--minutes must be above 0 and at most 60")
@@ -307,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos_swarm: the task's min_members {fields['min_members']} needs more than {args.nodes} nodes "
               "when one is down", file=sys.stderr)
         return 2
-    work_dir = Path(tempfile.mkdtemp(prefix="shoal-chaos-"))
+    if args.work_dir:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="shoal-chaos-"))
     chaos = Chaos(args, fields, work_dir)
     report: dict = {}
     try:
@@ -335,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['rounds_failed']}, hashes agree {report['hashes_agree']}, corrupt checkpoints "
           f"{report['corrupt_checkpoints']}, worst round {report['worst_round_over_quiet']}x quiet "
           f"({report['quiet_round_seconds']} s)", file=sys.stderr)
-    if met and fast and not args.keep:
+    if args.work_dir:
+        print(f"node data and logs are in {work_dir}", file=sys.stderr)
+    elif met and fast and not args.keep:
         shutil.rmtree(work_dir, ignore_errors=True)
     else:
         print(f"node data and logs kept in {work_dir}", file=sys.stderr)

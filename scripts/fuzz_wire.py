@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,11 +264,15 @@ def main() -> int:
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="stop sending after this long")
     parser.add_argument("--concurrency", type=int, default=6, help="attacker identities at once")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--work-dir", type=Path, help="node data and logs go here and stay (default: a temporary "
+                        "folder, removed after a clean run)")
     args = parser.parse_args()
     if args.frames < 1:
         parser.error("--frames must be at least 1")
 
-    work = Path(tempfile.mkdtemp(prefix="shoal-fuzz-"))
+    if args.work_dir:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="shoal-fuzz-"))
     victim_dir, honest_dir = work / "victim", work / "honest"
     victim, victim_info = start_node(victim_dir)
     honest, honest_info = start_node(honest_dir, bootstrap=victim_info["addr"])
@@ -329,6 +334,10 @@ def main() -> int:
     print(text)
     if args.json_out:
         args.json_out.write_text(text)
+    if not args.work_dir and ok:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"node data and logs are in {work}", file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -56,7 +56,7 @@ def test_a_minute_of_kills_fails_no_round_and_leaves_every_checkpoint_whole(tmp_
     spec.write_text(TASK.format(sha256=corpus_id(build_corpus(262144))))
     out = tmp_path / "chaos.json"
     rc = main(["--minutes", "1", "--seed", "3", "--task", str(spec), "--quiet-rounds", "2", "--tail-rounds", "2",
-               "--json-out", str(out)])
+               "--json-out", str(out), "--work-dir", str(tmp_path / "work")])
     report = json.loads(out.read_text())
     summary = {k: report[k] for k in ("rounds_failed", "failed_rounds", "hashes_agree", "corrupt_checkpoints",
                                       "finished", "stopped", "num_kills", "worst_round_over_quiet", "work_dir")}

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 def test_two_thousand_mutated_frames_leave_the_node_serving(tmp_path):
     out = tmp_path / "fuzz.json"
     done = subprocess.run([sys.executable, "scripts/fuzz_wire.py", "--frames", "2000", "--concurrency", "4",
-                           "--seed", "7", "--time-limit-s", "400", "--json-out", str(out)],
+                           "--seed", "7", "--time-limit-s", "400", "--json-out", str(out),
+                           "--work-dir", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, timeout=560)
     assert out.exists(), done.stderr[-3000:]
     report = json.loads(out.read_text())
