@@ -12,8 +12,9 @@ drops its updates on every honest node alike, since every one of them measured t
 
 What is checked: tiny-lm and hf-causal-lm tasks whose members train a whole round from its weights (no ``overlap``:
 steps carried from the last round trained on other batches; no ``fragments``: a member trains on from its own
-weights) and updates of training_check.CHECK_MIN_STEPS to CHECK_MAX_STEPS inner steps. An hf update's gain is
-measured by this node's trainer child, which holds the model (``measure``, node/train/recipes.py ``gain``), against
+weights) and updates of training_check.CHECK_MIN_STEPS to CHECK_MAX_STEPS inner steps. Updates are measured by this
+node's trainer child, never on the daemon's threads: tiny-lm's by node/train/check.py, an hf update's by the child
+that holds the model (``measure``, node/train/recipes.py ``gain``), against
 the method's threshold (UNTRAINED_GAIN_HF); hf updates are not judged as copies (their data does not tell a copy
 from an original), and hf-dpo updates not at all (their margins do not tell a replay from an honest update).
 An update is judged on the shards it names (a producer reads its shards in that order): an honest producer
@@ -23,16 +24,22 @@ weights here is not judged: nobody is charged on a guess.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import torch
 import trio
 
 from node.tasks import compute, training_check
+from node.train import check
+from node.train.client import TrainerClient, TrainerCrashed, TrainerRequestFailed
 from node.train.data import derive_seed, split_ranges
-from node.train.diloco import Named
+from node.train.diloco import Named, flatten, save_named, unflatten
 from protocol.envelope import open_sealed
 from protocol.errors import RemoteProtocolError, TransportError
 from protocol.rendezvous import assign_shards, checker
@@ -57,15 +64,20 @@ class TrainingChecks:
     def __init__(self, *, spec: TaskSpec, task_id: str, me: str, fetch_update: Callable[[UpdateAnnounce], Awaitable],
                  applied_mean: Callable[[int], Callable[[], object] | None], penalize: Callable[[str, str], None],
                  publish: Callable[[object], Awaitable[None]], corpus: Callable[[], Path | None], enabled: bool,
-                 max_bytes: int, measure: Callable[..., Awaitable[float | None]] | None = None):
+                 max_bytes: int, measure: Callable[..., Awaitable[tuple[float, float] | None]] | None = None,
+                 trainer: Callable[[], TrainerClient | None] = lambda: None, folder: Path | None = None):
         self.spec, self.tid, self.me = spec, task_id, me
         self.fetch_update, self.penalize, self.publish, self.corpus = fetch_update, penalize, publish, corpus
         self.applied_mean = applied_mean
         """A round's mean update as applied here, to decode (Exchange.applied_mean): the reference a copy is told
         by."""
         self.measure = measure
-        """For hf tasks: (round, producer, θ_r, Δ̂ flat, its shards) -> its own-data gain, measured by the trainer
-        child, or None when it could not be; None for tiny-lm, whose gain is measured here in a thread."""
+        """For hf tasks: (round, producer, θ_r, Δ̂ flat, its shards) -> (its own-data gain, the seconds measuring
+        it), measured by the trainer child, or None when it could not be; None for tiny-lm, whose gains this asks
+        of ``trainer`` itself."""
+        self.trainer, self.folder = trainer, folder
+        """This node's trainer child (None while it is down: nothing is judged then), and where the files it
+        measures by are written."""
         self.enabled = enabled and spec.overlap == 0 and spec.fragments <= 1 and training_check.judged(spec.inner_steps)
         self.max_bytes = max_bytes
         self.model = compute.model_config(spec) if self.enabled and measure is None else None
@@ -74,7 +86,8 @@ class TrainingChecks:
         self.counts: Counter[str] = Counter()
         """Checks by outcome: passed, untrained (found here), confirmed, refuted (a peer's proof), unjudged."""
         self.seconds = 0.0
-        """Time spent measuring (fetching not included): the verification compute."""
+        """Seconds spent measuring, as the trainer child timed its measures (with the files written for them):
+        the verification compute; neither fetching nor waiting for the trainer counts."""
         self.findings: list[dict] = []
         self.strikes: Counter[str] = Counter()
         """Untrained updates found or confirmed here, per producer, this task."""
@@ -316,23 +329,21 @@ class TrainingChecks:
         delta = await self._fetched(got[0])
         if delta is None:
             return None
-        started = trio.current_time()
         if self.measure is not None:
-            try:
-                gain = await self.measure(round_, producer, base.weights, delta, own[0]) \
-                    if producer in batches else None
-            finally:
-                self.seconds += trio.current_time() - started
-            return {**gains, producer: gain} if gain is not None else None
+            got = await self.measure(round_, producer, base.weights, delta, own[0]) if producer in batches else None
+            if got is None:
+                return None
+            gain, seconds = got
+            self.seconds += seconds
+            return {**gains, producer: gain}
         try:
-            measured = await trio.to_thread.run_sync(self._gains_on, base.weights, delta, corpus, round_, producer,
-                                                     own, batches, reference)
-        except (OSError, ValueError) as exc:
+            measured, seconds = await self._gains_on(base.weights, delta, corpus, round_, producer, own, batches,
+                                                     reference)
+        except (TrainerRequestFailed, OSError, ValueError) as exc:
             # The corpus unreadable here, or an update of another shape than the weights: nothing to judge by.
             log.warning("task %s round %d: %s's update not checked: %s", self.tid[:12], round_, producer, exc)
             return None
-        finally:
-            self.seconds += trio.current_time() - started
+        self.seconds += seconds
         return {**gains, **measured}
 
     async def _fetched(self, update: UpdateAnnounce):
@@ -354,26 +365,77 @@ class TrainingChecks:
                 self._updates.popitem(last=False)
         return delta
 
-    def _gains_on(self, base: Named, delta, corpus: Path, round_: int, producer: str, own: tuple[list[int], int],
-                  batches: dict[str, tuple[list[int], int]], reference: Callable[[], object] | None
-                  ) -> dict[str, float]:
+    async def _gains_on(self, base: Named, delta, corpus: Path, round_: int, producer: str,
+                        own: tuple[list[int], int], batches: dict[str, tuple[list[int], int]],
+                        reference: Callable[[], object] | None) -> tuple[dict[str, float], float]:
+        """The measures (node/train/check.py ``measure``), by this node's trainer child: per owner in
+        ``batches``, the producer's own gain or its advantage over that owner's batches; and their seconds."""
         ranges, _ = split_ranges(corpus.stat().st_size, self.spec.dataset.num_shards)
-        drawn = {}
-        with open(corpus, "rb") as f:
-            for owner, (order, steps) in {producer: own, **batches}.items():
-                data = b"".join(_read(f, *ranges[i]) for i in order)
-                drawn[owner] = training_check.own_batches(data, self.model.seq_len, self.spec.batch_size,
-                                                          derive_seed(self.tid, round_, owner), steps,
-                                                          count=training_check.COPY_BATCHES)
-        out = {producer: training_check.own_gain(self.model, base, delta,
-                                                 drawn[producer][:training_check.CHECK_BATCHES])} \
-            if producer in batches else {}
+        drawn = {owner: {"shard_ranges": [list(ranges[i]) for i in order], "steps": steps,
+                         "seed": derive_seed(self.tid, round_, owner)}
+                 for owner, (order, steps) in {producer: own, **batches}.items()}
         others = [o for o in batches if o != producer]
-        reference = reference() if others else None
-        for other in others:
-            out[other] = training_check.own_advantage(self.model, base, delta, reference, drawn[producer],
-                                                      drawn[other])
-        return out
+        trainer = self.trainer()
+        try:
+            if trainer is None or self.folder is None:
+                raise TrainerCrashed("no trainer")
+            reply = await ask_trainer(trainer, self.folder, round_, producer, base,
+                                      {"delta": lambda: delta, **({"reference": reference} if others else {})},
+                                      model=dataclasses.asdict(self.model), data_path=str(corpus),
+                                      producer=producer, owners=list(batches), batches=drawn,
+                                      batch_size=self.spec.batch_size)
+        except TrainerCrashed:
+            # The trainer let go (the task is over here, and a check or a peer's proof about its last rounds came
+            # late) or restarting: measured on a thread here, as every node that holds the round must be able to.
+            return await trio.to_thread.run_sync(self._gains_here, base, delta, corpus, drawn, producer,
+                                                 list(batches), reference if others else None)
+        gains = reply.get("gains")
+        if not isinstance(gains, dict) or set(gains) != set(batches):
+            raise ValueError(f"the trainer measured {sorted(gains or ())}, not {sorted(batches)}")
+        return {str(k): float(v) for k, v in gains.items()}, reply["seconds"]
+
+
+    def _gains_here(self, base: Named, delta, corpus: Path, wanted: dict, producer: str, owners: list[str],
+                    reference: Callable[[], object] | None) -> tuple[dict[str, float], float]:
+        started = time.monotonic()
+        with open(corpus, "rb") as f:
+            def read(ranges) -> bytes:
+                out = bytearray()
+                for start, end in ranges:
+                    f.seek(start)
+                    out += f.read(end - start)
+                return bytes(out)
+
+            drawn = check.draw(read, self.model.seq_len, self.spec.batch_size, wanted, producer, owners)
+        gains = check.measure(self.model, base, delta, reference() if reference is not None else None, drawn,
+                              producer, owners)
+        return gains, time.monotonic() - started
+
+
+async def ask_trainer(trainer: TrainerClient, folder: Path, round_: int, producer: str, base: Named,
+                      flats: dict[str, Callable[[], torch.Tensor]], /, **fields) -> dict:
+    """The trainer child's "gain" reply about ``producer``'s update of ``round_``: ``base`` and each of ``flats``
+    (flat, in base's layout, made in a thread) go to it as files in ``folder`` (fields base_path and
+    <name>_path), removed after. Its "seconds": the child's, with the files' writing. Raises what the trainer or
+    the disk raise."""
+    stem = f"check-r{round_}-{hashlib.sha256(producer.encode()).hexdigest()[:16]}"
+    paths = {name: folder / f"{stem}-{name}.safetensors" for name in ("base", *flats)}
+
+    def write() -> float:
+        started = time.monotonic()
+        _, layout = flatten(base)
+        save_named(paths["base"], base, durable=False)
+        for name, make in flats.items():
+            save_named(paths[name], unflatten(make().to(torch.float32), layout), durable=False)
+        return time.monotonic() - started
+
+    try:
+        written = await trio.to_thread.run_sync(write)
+        reply = await trainer.request("gain", **fields, **{f"{name}_path": str(p) for name, p in paths.items()})
+        return {**reply, "seconds": written + float(reply.get("seconds", 0.0))}
+    finally:
+        for path in paths.values():
+            path.unlink(missing_ok=True)
 
 
 def shards_of(task_id: str, round_: int, peer: str, members: list[str], num_shards: int) -> list[int]:
@@ -381,11 +443,6 @@ def shards_of(task_id: str, round_: int, peer: str, members: list[str], num_shar
     (a member the assignment leaves out, when there are fewer shards than members, gets one by its seed)."""
     return assign_shards(task_id, round_, members, num_shards).get(peer) or \
         [derive_seed(task_id, round_, peer) % num_shards]
-
-
-def _read(f, start: int, end: int) -> bytes:
-    f.seek(start)
-    return f.read(end - start)
 
 
 def _trim(d: OrderedDict) -> None:

@@ -17,10 +17,11 @@ import trio
 
 from node import bundle
 from node.dataset import decode_records, split_records
+from node.tasks.checks import ask_trainer
 from node.tasks.training_check import CHECK_BATCHES
 from node.train.client import TrainerCrashed, TrainerRequestFailed
 from node.train.data import derive_seed
-from node.train.diloco import Named, flatten, load_named, save_named, unflatten
+from node.train.diloco import Named, load_named
 from protocol.errors import ConfigError, RemoteProtocolError, TaskRejected, TransportError
 from protocol.manifest import KIND_FILE
 from protocol.task import TaskSpec, task_id
@@ -170,32 +171,21 @@ class HFTask:
         return self._split()[1]
 
     async def gain(self, round_: int, producer: str, base: Named, delta: torch.Tensor,
-                   shards: list[int]) -> float | None:
+                   shards: list[int]) -> tuple[float, float] | None:
         """``producer``'s update's gain on the first batches it drew (TrainingChecks ``measure``), measured by this
         node's trainer child, which holds the model: θ_r and Δ̂ go to it as files, removed after. None when it
         cannot be measured here (no trainer, or the trainer failed it): nobody is judged on a guess."""
         runner = self.runner
         if runner.trainer is None:
             return None
-        stem = f"check-r{round_}-{hashlib.sha256(producer.encode()).hexdigest()[:16]}"
-        base_path, delta_path = runner.dir / f"{stem}-base.safetensors", runner.dir / f"{stem}-delta.safetensors"
-
-        def write() -> None:
-            _, layout = flatten(base)
-            save_named(base_path, base, durable=False)
-            save_named(delta_path, unflatten(delta.to(torch.float32), layout), durable=False)
-
         try:
-            await trio.to_thread.run_sync(write)
-            reply = await runner.trainer.request(
-                "gain", model=self.model_request(), base_path=str(base_path), delta_path=str(delta_path),
-                data_path=str(self.data_path), shard_ranges=[list(r) for r in self.train_ranges(shards)],
+            reply = await ask_trainer(
+                runner.trainer, runner.dir, round_, producer, base, {"delta": lambda: delta},
+                model=self.model_request(), data_path=str(self.data_path),
+                shard_ranges=[list(r) for r in self.train_ranges(shards)],
                 seed=derive_seed(runner.tid, round_, producer), batch_size=self.spec.batch_size, count=CHECK_BATCHES,
                 device=runner._device())
-            return float(reply["gain"])
+            return float(reply["gain"]), reply["seconds"]
         except (TrainerCrashed, TrainerRequestFailed, OSError, ValueError, IndexError) as exc:
             log.warning("task %s round %d: %s's update not checked: %s", runner.tid[:12], round_, producer, exc)
             return None
-        finally:
-            for path in (base_path, delta_path):
-                path.unlink(missing_ok=True)

@@ -95,7 +95,8 @@ class TaskRunner:
                                      corpus=lambda: self.corpus_path,
                                      enabled=self.hf is None or spec.recipe == "hf-causal-lm",
                                      max_bytes=MAX_TASK_MESSAGE_BYTES,
-                                     measure=self.hf.gain if self.hf is not None else None)
+                                     measure=self.hf.gain if self.hf is not None else None,
+                                     trainer=lambda: self.trainer, folder=directory)
         """Whether other contributors' updates trained on their own data (tiny-lm and hf-causal-lm tasks)."""
         if self.checks.enabled:
             self.exchange.slices_kept_rounds = CHECKED_ROUNDS

@@ -1,4 +1,5 @@
-"""Did an update train on its producer's data? Its own-data gain (Gauntlet-style), for tiny-lm tasks.
+"""Did an update train on its producer's data? Its own-data gain (Gauntlet-style): what decides by it. The
+measures are node/train/check.py's (tiny-lm) and node/train/recipes.py ``gain``'s (hf), run in the trainer child.
 
 An honest producer's update lowers the loss on the batches it trained on: applied to the round's weights
 θ_r, it gives back the local model that saw them. A replayed (stale) update, a copy of another producer's
@@ -16,14 +17,9 @@ between machines by far less than TOLERANCE, which a checker allows on either si
 
 from __future__ import annotations
 
-import math
+from node.train.check import CHECK_BATCHES, COPY_BATCHES, own_advantage, own_batches, own_gain
 
-import torch
-
-from node.train.data import batches
-from node.train.diloco import Named, flatten, unflatten
-from node.train.inner import lm_loss, model_from_weights
-from node.train.model import ModelConfig
+__all__ = ["CHECK_BATCHES", "COPY_BATCHES", "own_advantage", "own_batches", "own_gain"]
 
 CHECK_MIN_STEPS = 12
 """Updates of fewer inner steps are not judged: a first step's momentum (carried from the last round) can move
@@ -37,11 +33,6 @@ nats, and two honest nodes were banned."""
 STRIKE_ROUNDS = 4
 """A producer found in two rounds less than this many apart is banned: an untrained producer is found round
 after round; an honest update that misfired once (never seen at 12 steps or more) costs one charge."""
-CHECK_BATCHES = 4
-"""Batches of the producer's round its gain is measured on: its first inner steps'."""
-COPY_BATCHES = 16
-"""Batches each side of a near-copy pair is measured on (own_advantage), fewer if the producer took fewer
-steps: the comparison runs only for producers the screen left out as near copies, and needs the power."""
 UNTRAINED_GAIN = -0.05
 """Nats per byte: an update whose gain on its own batches is below this did not train on them from θ_r."""
 UNTRAINED_GAIN_HF = {"lora": -0.3, "full": -0.1}
@@ -63,29 +54,6 @@ this, and a confirmer's below the threshold plus this (for a copy, the margin li
 between honest machines turns an accusation into a false one or back."""
 
 
-def own_batches(data: bytes, seq_len: int, batch_size: int, seed: int, steps: int,
-                count: int = CHECK_BATCHES) -> list[torch.Tensor]:
-    """The first min(count, steps) batches the producer's inner steps drew from ``data``."""
-    sampler = batches(data, seq_len, batch_size, seed)
-    return [next(sampler) for _ in range(max(1, min(count, steps)))]
-
-
-@torch.no_grad()
-def _loss(config: ModelConfig, weights: Named, batches_: list[torch.Tensor]) -> float:
-    model = model_from_weights(config, weights)
-    model.eval()
-    return math.fsum(lm_loss(model, b).item() for b in batches_) / len(batches_)
-
-
-def own_gain(config: ModelConfig, base: Named, delta_flat: torch.Tensor, batches_: list[torch.Tensor]) -> float:
-    """loss(base) − loss(base − Δ̂) on the batches; ``delta_flat`` in sorted-name order (diloco.flatten)."""
-    flat, layout = flatten(base)
-    if delta_flat.numel() != flat.numel():
-        raise ValueError(f"an update of {delta_flat.numel()} values does not fit weights of {flat.numel()}")
-    moved = unflatten(flat - delta_flat.to(torch.float32), layout)
-    return _loss(config, base, batches_) - _loss(config, moved, batches_)
-
-
 def banned_at(rounds: list[int]) -> bool:
     """Whether findings in these rounds (the last one just made) ban their producer."""
     return sum(1 for r in rounds if r > rounds[-1] - STRIKE_ROUNDS) >= 2
@@ -94,16 +62,6 @@ def banned_at(rounds: list[int]) -> bool:
 def judged(steps: int) -> bool:
     """Whether an update of ``steps`` inner steps is judged at all: within the steps its margin was measured at."""
     return CHECK_MIN_STEPS <= steps <= CHECK_MAX_STEPS
-
-
-def own_advantage(config: ModelConfig, base: Named, delta_flat: torch.Tensor, reference_flat: torch.Tensor,
-                  own: list[torch.Tensor], other: list[torch.Tensor]) -> float:
-    """How much better an update fits its producer's batches than another producer's, beyond what the round's
-    applied mean update (``reference_flat``, trained on neither) shows of how much easier either set is to
-    improve: [gain(Δ, own) − gain(Δ, other)] − [gain(R, own) − gain(R, other)]. An honest update scores above
-    0 (its batches shaped it); an exact copy of the other's scores the original's advantage negated."""
-    return (own_gain(config, base, delta_flat, own) - own_gain(config, base, delta_flat, other)) - \
-        (own_gain(config, base, reference_flat, own) - own_gain(config, base, reference_flat, other))
 
 
 def copied(advantage: float) -> bool:

@@ -106,9 +106,13 @@ class TrainerClient:
         return TrainerCrashed(f"trainer process {process.pid if process else '?'} {what} (exit code {code})")
 
     async def _read_exact(self, size: int) -> bytes:
-        assert self._process is not None
+        process = self._process
         while len(self._buffer) < size:
-            chunk = await self._process.stdout.receive_some(1 << 16)
+            try:
+                # None or closed: stopped under a request (the task ended while a check was asked of it).
+                chunk = await process.stdout.receive_some(1 << 16) if process is not None else b""
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                chunk = b""
             if not chunk:
                 raise await self._crashed("closed its stdout")
             self._buffer += chunk

@@ -14,8 +14,9 @@ cross the pipe, only file paths. Requests (every one carries an "id", echoed in 
           "carried_steps", "out_path"}
     {"op": "eval", "model", "weights_path", "data_path", "data_range": [start, end],
      "num_batches", "batch_size", "seed"} -> {"ok": true, "loss"}
-    {"op": "gain", ...} -> {"ok": true, "gain", "loss"}: an hf update's own-data gain, for the training
-     checks (node/train/recipes.py; tiny-lm's is measured in the daemon)
+    {"op": "gain", ...} -> {"ok": true, "gain", "loss", "seconds"}: an hf update's own-data gain, for the
+     training checks (node/train/recipes.py); for tiny-lm -> {"ok": true, "gains": {producer or owner: float},
+     "seconds"}, its own gain and its advantage over near copies' owners (node/train/check.py)
 
 train writes the pseudo-gradient Δ = base − trained (float32, named, safetensors) to out_path,
 since Δ is what the round compresses and ships. Nothing is hashed here: the daemon knows the
@@ -324,9 +325,13 @@ def handle_prepare(req: dict) -> dict:
 def handle_gain(req: dict) -> dict:
     from node.train.inner import resolve_device
 
+    started = time.monotonic()
     if not _recipes().is_hf(_field(req, "model", dict)):
-        raise ValueError("gain is measured here for the hf-* recipes only (tiny-lm's in the daemon)")
-    return _recipes().gain(req, device=resolve_device(_field(req, "device", str, "auto")))
+        from node.train import check
+        reply = check.handle(req, _read_ranges)
+    else:
+        reply = _recipes().gain(req, device=resolve_device(_field(req, "device", str, "auto")))
+    return {**reply, "seconds": time.monotonic() - started}
 
 
 HANDLERS = {"ping": handle_ping, "train": handle_train, "eval": handle_eval, "prepare": handle_prepare,

@@ -265,8 +265,10 @@ async def test_an_update_measured_again_against_another_producer_is_not_fetched_
         fetched.append(update.producer)
         return torch.zeros(numel)
 
-    monkeypatch.setattr(TrainingChecks, "_gains_on", lambda self, base, delta, corpus, round_, producer, own, batches,
-                        reference: {o: (0.1 if o == producer else 0.05) for o in batches})
+    async def gains_on(self, base, delta, corpus, round_, producer, own, batches, reference):
+        return {o: (0.1 if o == producer else 0.05) for o in batches}, 0.001
+
+    monkeypatch.setattr(TrainingChecks, "_gains_on", gains_on)
     checks = TrainingChecks(spec=spec, task_id=tid, me=Keypair.from_label("me").peer_id, fetch_update=fetch,
                             applied_mean=lambda r: lambda: torch.zeros(numel), penalize=lambda *_: None,
                             publish=None, corpus=lambda: tmp_path, enabled=True, max_bytes=1 << 20)

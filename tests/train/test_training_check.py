@@ -64,3 +64,47 @@ def test_a_proof_needs_the_accuser_below_and_a_confirmer_within_the_tolerance():
     assert not training_check.untrained(t + 2 * tol) and not training_check.confirms(t + 2 * tol)
     with pytest.raises(ValueError, match="does not fit"):
         training_check.own_gain(CONFIG, named_tensors(init_model(CONFIG, 0)), torch.zeros(3), [])
+
+
+def test_the_trainer_child_measures_what_the_function_gives_and_refuses_what_does_not_fit(setting, tmp_path):
+    # The daemon asks its trainer child for these measures (node/tasks/checks.py): the child must give the very
+    # figures node/train/check.py gives in-process, its own gain and its advantage over a near copy's owner.
+    import dataclasses
+
+    import trio
+
+    from node.train import check
+    from node.train.client import TrainerRequestFailed, open_trainer
+    from node.train.diloco import save_named, unflatten
+
+    mine, _, base = setting
+    corpus = tmp_path / "corpus"
+    corpus.write_bytes(mine)
+    half = len(mine) // 2
+    seeds = {"p": derive_seed("t", 1, "p"), "q": derive_seed("t", 1, "q")}
+    _, delta = _train(base, mine[:half], seeds["p"])
+    _, reference = _train(base, mine[half:], seeds["q"])
+    layout = flatten(base)[1]
+    save_named(tmp_path / "base.safetensors", base)
+    save_named(tmp_path / "delta.safetensors", unflatten(delta, layout))
+    save_named(tmp_path / "reference.safetensors", unflatten(reference, layout))
+    wanted = {"p": {"shard_ranges": [[0, half]], "seed": seeds["p"], "steps": 12},
+              "q": {"shard_ranges": [[half, len(mine)]], "seed": seeds["q"], "steps": 12}}
+    drawn = check.draw(lambda r: mine[r[0][0]:r[0][1]], CONFIG.seq_len, 8, wanted, "p", ["p", "q"])
+    expected = check.measure(CONFIG, base, delta, reference, drawn, "p", ["p", "q"])
+    assert expected["p"] > 0 and expected["q"] > 0, expected  # an honest update fits its own batches better
+    req = {"model": dataclasses.asdict(CONFIG), "base_path": str(tmp_path / "base.safetensors"),
+           "delta_path": str(tmp_path / "delta.safetensors"), "reference_path": str(tmp_path / "reference.safetensors"),
+           "data_path": str(corpus), "producer": "p", "owners": ["p", "q"], "batches": wanted, "batch_size": 8}
+
+    async def main():
+        async with open_trainer() as trainer:
+            assert (await trainer.request("gain", **req))["gains"] == expected
+            save_named(tmp_path / "short.safetensors", dict(list(unflatten(delta, layout).items())[:-1]))
+            with pytest.raises(TrainerRequestFailed, match="does not fit"):
+                await trainer.request("gain", **{**req, "delta_path": str(tmp_path / "short.safetensors")})
+            with pytest.raises(TrainerRequestFailed, match="need their batches"):
+                await trainer.request("gain", **{**req, "owners": ["p", "r"]})
+            await trainer.ping()  # still serving
+
+    trio.run(main)
