@@ -394,7 +394,6 @@ class TrainingChecks:
             raise ValueError(f"the trainer measured {sorted(gains or ())}, not {sorted(batches)}")
         return {str(k): float(v) for k, v in gains.items()}, reply["seconds"]
 
-
     def _gains_here(self, base: Named, delta, corpus: Path, wanted: dict, producer: str, owners: list[str],
                     reference: Callable[[], object] | None) -> tuple[dict[str, float], float]:
         started = time.monotonic()
