@@ -76,8 +76,8 @@ class TrainingChecks:
         it), measured by the trainer child, or None when it could not be; None for tiny-lm, whose gains this asks
         of ``trainer`` itself."""
         self.trainer, self.folder = trainer, folder
-        """This node's trainer child (None while it is down: nothing is judged then), and where the files it
-        measures by are written."""
+        """This node's trainer child (None while it is down or let go: then measured on a thread here), and where
+        the files it measures by are written."""
         self.enabled = enabled and spec.overlap == 0 and spec.fragments <= 1 and training_check.judged(spec.inner_steps)
         self.max_bytes = max_bytes
         self.model = compute.model_config(spec) if self.enabled and measure is None else None
@@ -340,7 +340,8 @@ class TrainingChecks:
             measured, seconds = await self._gains_on(base.weights, delta, corpus, round_, producer, own, batches,
                                                      reference)
         except (TrainerRequestFailed, OSError, ValueError) as exc:
-            # The corpus unreadable here, or an update of another shape than the weights: nothing to judge by.
+            # The corpus unreadable here, or an update of another shape than the weights (the trainer refused
+            # it): nothing to judge by.
             log.warning("task %s round %d: %s's update not checked: %s", self.tid[:12], round_, producer, exc)
             return None
         self.seconds += seconds
@@ -397,15 +398,7 @@ class TrainingChecks:
     def _gains_here(self, base: Named, delta, corpus: Path, wanted: dict, producer: str, owners: list[str],
                     reference: Callable[[], object] | None) -> tuple[dict[str, float], float]:
         started = time.monotonic()
-        with open(corpus, "rb") as f:
-            def read(ranges) -> bytes:
-                out = bytearray()
-                for start, end in ranges:
-                    f.seek(start)
-                    out += f.read(end - start)
-                return bytes(out)
-
-            drawn = check.draw(read, self.model.seq_len, self.spec.batch_size, wanted, producer, owners)
+        drawn = check.draw(corpus, self.model.seq_len, self.spec.batch_size, wanted, producer, owners)
         gains = check.measure(self.model, base, delta, reference() if reference is not None else None, drawn,
                               producer, owners)
         return gains, time.monotonic() - started

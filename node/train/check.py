@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from node.train.data import batches
+from node.train.data import batches, read_ranges
 from node.train.diloco import Named, flatten, load_named, unflatten
 from node.train.model import VOCAB_SIZE, ModelConfig, TinyLM
 
@@ -97,27 +97,25 @@ def measure(config: ModelConfig, base: Named, delta_flat: torch.Tensor, referenc
     return out
 
 
-def handle(req: dict, read_ranges) -> dict:
+def handle(req: dict) -> dict:
     """The trainer's "gain" request for tiny-lm: {"model", "base_path", "delta_path", "reference_path"?,
     "data_path", "producer", "owners": [name, ...], "batches": {name: {"shard_ranges", "seed", "steps"}},
-    "batch_size"} -> {"gains": {name: float}}. ``read_ranges(data_path, shard_ranges)``: the bytes a producer
-    read, its shards concatenated in its order."""
+    "batch_size"} -> {"gains": {name: float}}."""
     config = ModelConfig.from_dict(req["model"])
     base = load_named(req["base_path"])
     delta = flatten(load_named(req["delta_path"]))[0]
     reference = flatten(load_named(req["reference_path"]))[0] if req.get("reference_path") else None
     producer, owners, batch_size = str(req["producer"]), [str(o) for o in req["owners"]], int(req["batch_size"])
-    drawn = draw(lambda ranges: read_ranges(req["data_path"], ranges), config.seq_len, batch_size, req["batches"],
-                 producer, owners)
+    drawn = draw(req["data_path"], config.seq_len, batch_size, req["batches"], producer, owners)
     return {"gains": measure(config, base, delta, reference, drawn, producer, owners)}
 
 
-def draw(read, seq_len: int, batch_size: int, wanted: dict, producer: str, owners: list[str]
+def draw(data_path, seq_len: int, batch_size: int, wanted: dict, producer: str, owners: list[str]
          ) -> dict[str, list[torch.Tensor]]:
     """Per owner (and the producer), the first COPY_BATCHES batches it drew: ``wanted`` maps each to
-    {"shard_ranges", "seed", "steps"}; ``read(shard_ranges)`` gives the bytes it read."""
+    {"shard_ranges", "seed", "steps"}, byte ranges of ``data_path`` it read in that order."""
     if producer not in wanted or not set(owners) <= set(wanted):
         raise ValueError("every owner measured, and the producer, need their batches")
-    return {name: own_batches(read(b["shard_ranges"]), seq_len, batch_size, int(b["seed"]), int(b["steps"]),
+    return {name: own_batches(read_ranges(data_path, b["shard_ranges"]), seq_len, batch_size, int(b["seed"]), int(b["steps"]),
                               count=COPY_BATCHES)
             for name, b in wanted.items() if name == producer or name in owners}

@@ -129,3 +129,26 @@ def batches(shard_bytes: bytes, seq_len: int, batch_size: int, seed: int) -> Ite
     while True:
         starts = torch.randint(0, num_starts, (batch_size,), generator=gen)
         yield data[starts[:, None] + offsets].long()
+
+
+def _ranges(value, size: int) -> list[tuple[int, int]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("shard_ranges must be a non-empty list of [start, end]")
+    out = []
+    for r in value:
+        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1] <= size):
+            raise ValueError(f"byte range {r!r} is not [start, end) inside the {size} byte data file")
+        out.append((r[0], r[1]))
+    return out
+
+
+def read_ranges(path: str | os.PathLike, ranges_value) -> bytes:
+    """The bytes of these [start, end) ranges of the file, concatenated in order; ValueError for a range that is
+    not a non-empty list of [start, end) pairs inside the file (they come in trainer requests)."""
+    size = os.path.getsize(path)
+    out = bytearray()
+    with open(path, "rb") as f:
+        for start, end in _ranges(ranges_value, size):
+            f.seek(start)
+            out += f.read(end - start)
+    return bytes(out)

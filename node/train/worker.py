@@ -106,27 +106,6 @@ def _field(req: dict, name: str, kind: type | tuple[type, ...], default=...):
     return value
 
 
-def _ranges(value, size: int) -> list[tuple[int, int]]:
-    if not isinstance(value, list) or not value:
-        raise ValueError("shard_ranges must be a non-empty list of [start, end]")
-    out = []
-    for r in value:
-        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1] <= size):
-            raise ValueError(f"byte range {r!r} is not [start, end) inside the {size} byte data file")
-        out.append((r[0], r[1]))
-    return out
-
-
-def _read_ranges(path: str, ranges_value) -> bytes:
-    size = os.path.getsize(path)
-    out = bytearray()
-    with open(path, "rb") as f:
-        for start, end in _ranges(ranges_value, size):
-            f.seek(start)
-            out += f.read(end - start)
-    return bytes(out)
-
-
 def _log(message: str) -> None:
     print(f"[trainer {os.getpid()}] {message}", file=sys.stderr, flush=True)
 
@@ -157,6 +136,7 @@ def _train_rank(req: dict, ranks) -> dict:
 
 
 def _train(req: dict, device, ranks) -> dict:
+    from node.train.data import read_ranges
     from node.train.diloco import load_named, pseudo_gradient, save_named
     from node.train.inner import AdamWConfig, InnerLoop, train_inner
     from node.train.model import ModelConfig
@@ -176,7 +156,7 @@ def _train(req: dict, device, ranks) -> dict:
     config = ModelConfig.from_dict(_field(req, "model", dict))
     adamw = AdamWConfig.from_dict(_field(req, "adamw", dict, {}))
     base = load_named(_field(req, "base_path", str))
-    data = _read_ranges(_field(req, "data_path", str), req.get("shard_ranges"))
+    data = read_ranges(_field(req, "data_path", str), req.get("shard_ranges"))
     steps = _field(req, "steps", int)
     budget = _field(req, "time_budget_s", (int, float), None)
     opt_path = _field(req, "opt_state_path", str, None)
@@ -290,6 +270,7 @@ def _step_ahead(stdin: BinaryIO) -> None:
 
 
 def handle_eval(req: dict) -> dict:
+    from node.train.data import read_ranges
     from node.train.diloco import load_named
     from node.train.inner import evaluate, resolve_device
     from node.train.model import ModelConfig
@@ -298,7 +279,7 @@ def handle_eval(req: dict) -> dict:
         return _recipes().evaluate(req, device=resolve_device(_field(req, "device", str, "auto")))
     config = ModelConfig.from_dict(_field(req, "model", dict))
     weights = load_named(_field(req, "weights_path", str))
-    data = _read_ranges(_field(req, "data_path", str), [req.get("data_range")])
+    data = read_ranges(_field(req, "data_path", str), [req.get("data_range")])
     loss = evaluate(
         config, weights, data, _field(req, "num_batches", int), _field(req, "seed", int), _field(req, "batch_size", int, 8),
         device=resolve_device(_field(req, "device", str, "auto")),
@@ -328,7 +309,7 @@ def handle_gain(req: dict) -> dict:
     started = time.monotonic()
     if not _recipes().is_hf(_field(req, "model", dict)):
         from node.train import check
-        reply = check.handle(req, _read_ranges)
+        reply = check.handle(req)
     else:
         reply = _recipes().gain(req, device=resolve_device(_field(req, "device", str, "auto")))
     return {**reply, "seconds": time.monotonic() - started}

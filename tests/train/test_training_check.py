@@ -90,7 +90,7 @@ def test_the_trainer_child_measures_what_the_function_gives_and_refuses_what_doe
     save_named(tmp_path / "reference.safetensors", unflatten(reference, layout))
     wanted = {"p": {"shard_ranges": [[0, half]], "seed": seeds["p"], "steps": 12},
               "q": {"shard_ranges": [[half, len(mine)]], "seed": seeds["q"], "steps": 12}}
-    drawn = check.draw(lambda r: mine[r[0][0]:r[0][1]], CONFIG.seq_len, 8, wanted, "p", ["p", "q"])
+    drawn = check.draw(corpus, CONFIG.seq_len, 8, wanted, "p", ["p", "q"])
     expected = check.measure(CONFIG, base, delta, reference, drawn, "p", ["p", "q"])
     assert expected["p"] > 0 and expected["q"] > 0, expected  # an honest update fits its own batches better
     req = {"model": dataclasses.asdict(CONFIG), "base_path": str(tmp_path / "base.safetensors"),
