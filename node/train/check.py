@@ -116,6 +116,6 @@ def draw(data_path, seq_len: int, batch_size: int, wanted: dict, producer: str, 
     {"shard_ranges", "seed", "steps"}, byte ranges of ``data_path`` it read in that order."""
     if producer not in wanted or not set(owners) <= set(wanted):
         raise ValueError("every owner measured, and the producer, need their batches")
-    return {name: own_batches(read_ranges(data_path, b["shard_ranges"]), seq_len, batch_size, int(b["seed"]), int(b["steps"]),
-                              count=COPY_BATCHES)
+    return {name: own_batches(read_ranges(data_path, b["shard_ranges"]), seq_len, batch_size, int(b["seed"]),
+                              int(b["steps"]), count=COPY_BATCHES)
             for name, b in wanted.items() if name == producer or name in owners}

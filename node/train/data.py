@@ -136,7 +136,8 @@ def _ranges(value, size: int) -> list[tuple[int, int]]:
         raise ValueError("shard_ranges must be a non-empty list of [start, end]")
     out = []
     for r in value:
-        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1] <= size):
+        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)
+                and 0 <= r[0] < r[1] <= size):
             raise ValueError(f"byte range {r!r} is not [start, end) inside the {size} byte data file")
         out.append((r[0], r[1]))
     return out
