@@ -299,13 +299,15 @@ class TrainingChecks:
         """(shards in reading order, steps) of ``owner``'s update of ``round_``, if it is judged: the shards its
         UpdateAnnounce names, which a producer reads in that (sorted) order. Its own word, and safe to take: an
         honest producer names what it trained on, whatever this node's view of the round's members, and a
-        producer that names other shards is judged on batches its update never saw."""
+        producer that names other shards is judged on batches its update never saw. None too for shards the task
+        does not have (a message may name up to the protocol's cap)."""
         got = self._sealed.get((round_, owner))
         if got is None:
             return None
         update = got[0]
         steps = update.samples // self.spec.batch_size
-        return (list(update.shards), steps) if training_check.judged(steps) and update.shards else None
+        known = all(i < self.spec.dataset.num_shards for i in update.shards)
+        return (list(update.shards), steps) if training_check.judged(steps) and update.shards and known else None
 
     async def _measure(self, round_: int, producer: str, owners: list[str], gains: dict[str, float],
                        kept: tuple[compute.OuterState, Callable[[], object] | None] | None

@@ -289,3 +289,33 @@ async def test_an_update_measured_again_against_another_producer_is_not_fetched_
         async with trio.open_nursery() as nursery:
             checks.applied(r, state, [copier, original], nursery)
     assert not checks._updates  # gone with its round
+
+
+async def test_an_update_naming_a_shard_the_task_does_not_have_is_not_judged_and_stops_nothing(tmp_path, monkeypatch):
+    # A message may name shards up to the protocol's cap; a task has fewer. A hostile producer that names one past
+    # the task's must leave its update unjudged, not raise out of the check into the task.
+    import torch
+
+    from node.tasks import compute
+    from node.train.data import build_corpus
+    spec = tiny_spec(inner_steps=12)
+    tid = task_id(spec)
+    state = compute.new_state(spec)
+    numel = sum(t.numel() for t in state.weights.values())
+    corpus = tmp_path / "corpus"
+    corpus.write_bytes(build_corpus(spec.dataset.max_bytes))
+
+    async def fetch(update):
+        return torch.zeros(numel)
+
+    checks = TrainingChecks(spec=spec, task_id=tid, me=Keypair.from_label("me").peer_id, fetch_update=fetch,
+                            applied_mean=lambda r: lambda: torch.zeros(numel), penalize=lambda *_: None,
+                            publish=None, corpus=lambda: corpus, enabled=True, max_bytes=1 << 20)
+    hostile = Keypair.from_label("hostile").peer_id
+    checks.heard(UpdateAnnounce(task_id=tid, round=0, producer=hostile, base_hash=state.weights_hash(),
+                                samples=12 * spec.batch_size, manifest_ids=("ab" * 32,), losses=(),
+                                shards=(spec.dataset.num_shards,)), b"sealed")
+    async with trio.open_nursery() as nursery:
+        checks.trained(0)
+        checks.applied(0, state, [hostile], nursery)
+    assert await checks._measured(0, hostile, [], checks._bases[0]) is None
