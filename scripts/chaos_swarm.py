@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
               "when one is down", file=sys.stderr)
         return 2
     if args.work_dir:
+        if args.work_dir.exists() and not args.work_dir.is_dir():
+            parser.error(f"--work-dir {args.work_dir} is a file, not a folder")
         args.work_dir.mkdir(parents=True, exist_ok=True)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="shoal-chaos-"))
     chaos = Chaos(args, fields, work_dir)

@@ -271,6 +271,8 @@ def main() -> int:
         parser.error("--frames must be at least 1")
 
     if args.work_dir:
+        if args.work_dir.exists() and not args.work_dir.is_dir():
+            parser.error(f"--work-dir {args.work_dir} is a file, not a folder")
         args.work_dir.mkdir(parents=True, exist_ok=True)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="shoal-fuzz-"))
     victim_dir, honest_dir = work / "victim", work / "honest"
