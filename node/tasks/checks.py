@@ -218,6 +218,8 @@ class TrainingChecks:
                      "it cannot be" if gains is None else "not those batches")
             return
         own = gains[producer]
+        log.debug("task %s round %d: %s measured %s's update: %s", self.tid[:12], round_, self.me, producer,
+                  {p[-6:]: round(g, 4) for p, g in gains.items()})
         if accuser is None:
             # What the proof carries, as it was heard when the check began: a check can outlast the rounds kept.
             update, origins = held

@@ -218,6 +218,10 @@ class TaskRunner:
         sealed = seal(msg, self.node.keypair)
         if isinstance(msg, WeightsAnnounce):
             self.latest_weights = sealed
+        elif isinstance(msg, UpdateAnnounce):
+            # Gossip never brings our own back: the checks hold it as peers do, so that this node, when it is a
+            # copy's checker and its own update the original, measures the copy on its batches and can prove it.
+            self.checks.heard(msg, sealed)
         try:
             await self.node.host.publish(self.topic, sealed)
             self.node.traffic.messages_out[self.topic] += 1

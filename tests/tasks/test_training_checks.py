@@ -81,7 +81,7 @@ async def test_a_replayed_update_is_found_proven_and_banned_on_every_honest_node
         nursery.cancel_scope.cancel()
 
 
-def _copier(monkeypatch, peer_id: str) -> None:
+def _copier(monkeypatch, peer_id: str, victims: dict[int, str] | None = None) -> None:
     """``peer_id``'s node publishes, each round, another producer's update as its own (the bytes of its slices, full
     samples claimed): an exact copy, which the screen leaves out with its original. A producer that has banned the
     copier no longer serves it, so it copies whoever still does, and publishes its own update when nobody does."""
@@ -108,6 +108,8 @@ def _copier(monkeypatch, peer_id: str) -> None:
                                                        f"task/{self.tid[:12]}/r{job.round}/u{s}")
                    for s, data in enumerate(slices)]
             samples, losses = self.spec.inner_steps * self.spec.batch_size, victim.losses
+            if victims is not None:
+                victims[job.round] = victim.producer
             break
         else:
             ids = await self.exchange.publish_update(Path(result.out_path), job.round)
@@ -218,8 +220,11 @@ async def test_a_check_that_outlasts_two_rounds_still_tells_a_copy_by_its_origin
         return await fetch(self, update)
 
     async def measured(self, round_, producer, others, kept):
+        # A node that banned the copier before its update of a round arrived drops that announcement and has
+        # nothing to judge, however long the check: only checks of updates this node heard are counted.
+        heard = (round_, producer) in self._sealed
         gains = await measured_(self, round_, producer, others, kept)
-        if producer in copiers and others:
+        if producer in copiers and others and heard:
             judged.append((round_, others, sorted(gains or ())))
         return gains
 
@@ -237,6 +242,37 @@ async def test_a_check_that_outlasts_two_rounds_still_tells_a_copy_by_its_origin
         findings = [f for n in honest for f in runner(n, tid).checks.findings]
         assert {f["producer"] for f in findings} == {copier} and all(f["copy_of"] for f in findings), findings
         assert all(not n.membership.is_banned(m.keypair.peer_id) for n in honest for m in honest)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_holds_its_own_update_to_judge_a_copy_of_it_on_its_own_batches(network, tmp_path, monkeypatch):
+    # Gossip never brings a node its own update back. The original, as a copy's checker (when a slice of the copy
+    # was not fetched, the original is a contributor) or handed a peer's proof, must hold its own update to
+    # measure the copy on its own batches.
+    spec = tiny_spec(rounds=5, min_members=3, inner_steps=12)
+    tid = task_id(spec)
+    measured_ = TrainingChecks._measured
+    by_original: list[tuple[int, str, list[str]]] = []
+    copiers: list[str] = []
+
+    async def measured(self, round_, producer, others, kept):
+        gains = await measured_(self, round_, producer, others, kept)
+        if producer in copiers and self.me in others:
+            by_original.append((round_, self.me, sorted(gains or ())))
+        return gains
+
+    monkeypatch.setattr(TrainingChecks, "_measured", measured)
+    async with trio.open_nursery() as nursery:
+        honest, copier = await _run_with_one_bad(nursery, tmp_path, network, spec,
+                                                 lambda peer: (copiers.append(peer), _copier(monkeypatch, peer)))
+        await wait_until(lambda: all(n.membership.is_banned(copier) for n in honest), timeout_s=60)
+        await wait_until(lambda: not any(r.checks._running for r in (runner(n, tid) for n in honest)), timeout_s=60)
+        assert by_original, "no original measured its copier"
+        assert all(me in gains for _, me, gains in by_original), by_original
+        for n in honest:
+            checks = runner(n, tid).checks
+            me = n.keypair.peer_id
+            assert all((r, me) in checks._sealed for r in checks._bases), (me, list(checks._sealed))
         nursery.cancel_scope.cancel()
 
 
