@@ -112,6 +112,10 @@ class TrainingChecks:
         """Per (round, producer), its update as fetched for a check, up to KEPT_UPDATE_BYTES in all."""
         self._per_round: Counter[int] = Counter()
         self._pending: dict[int, list[tuple[str, str, str | None]]] = {}
+        self._votes: dict[int, bool] = {}
+        """Per round closed here, whether this node's weights were the vote's: only then is the mean it applied
+        (R, by which a copy is told) the one its peers measure by."""
+        self._voted: dict[int, trio.Event] = {}
         """Per round not applied here yet, the proofs that arrived early: (producer, accuser, original)."""
 
     # -- what the runner tells it ----------------------------------------------------------------
@@ -153,6 +157,23 @@ class TrainingChecks:
         for producer in sorted({*contributors, *copies}):
             if producer != self.me and checker(self.tid, round_, producer, contributors) == self.me:
                 nursery.start_soon(self._check, round_, producer, None)
+
+    def closed(self, round_: int, agreed: bool) -> None:
+        """Round ``round_`` closed here, with this node's weights the vote's (``agreed``) or not."""
+        if self.enabled:
+            self._votes[round_] = agreed
+            self._voted.setdefault(round_, trio.Event()).set()
+            for table in (self._votes, self._voted):
+                for old in [r for r in table if r < round_ - KEEP_ROUNDS - 2]:
+                    del table[old]
+
+    async def _agreed(self, round_: int) -> bool:
+        """Whether this node's weights of ``round_`` were the vote's, waiting for the round to close here (at most
+        a round's deadline): a copy is told by the round's applied mean, which differs on a node that applied
+        other aggregates (it fetches the vote's weights after), so such a node neither accuses nor refutes."""
+        with trio.move_on_after(self.spec.round_deadline_s):
+            await self._voted.setdefault(round_, trio.Event()).wait()
+        return self._votes.get(round_, False)
 
     def proof(self, proof: TrainingProof, origin: str, nursery: trio.Nursery) -> None:
         """A peer's TrainingProof: measured again here, unless it is malformed or about this node."""
@@ -217,6 +238,16 @@ class TrainingChecks:
                      "" if original is None else f" against {original}'s batches",
                      "it cannot be" if gains is None else "not those batches")
             return
+        if (original is not None or any(p in gains for p in others)) and not await self._agreed(round_):
+            # Judged by a mean its peers did not apply: the copy (or the proof) goes unjudged here, and the
+            # update is judged on its own batches alone, which need only θ_r.
+            if original is not None:
+                self.counts["unjudged"] += 1
+                log.info("task %s round %d: %s's update not judged here against %s's batches (this node's weights "
+                         "of the round were not the vote's)", self.tid[:12], round_, producer, original)
+                return
+            gains = {producer: gains[producer]}
+            others = []
         own = gains[producer]
         log.debug("task %s round %d: %s measured %s's update: %s", self.tid[:12], round_, self.me, producer,
                   {p[-6:]: round(g, 4) for p, g in gains.items()})

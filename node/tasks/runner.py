@@ -628,6 +628,7 @@ class TaskRunner:
                                # Wall time, so rounds closed on different nodes (or incarnations) line up.
                                "closed_at": round(time.time(), 3), **({"failed": True} if e.failed else {})})
         self._record_history()
+        self.checks.closed(e.round, e.agreed)
         if e.credits:
             self._nursery.start_soon(self._with_ledger, self.ledger.record, e.round, e.weights_hash, e.credits)
         log.info("task %s round %d done: eval loss %s, weights %s (%s)", self.tid[:12], e.round,

@@ -220,9 +220,9 @@ async def test_a_check_that_outlasts_two_rounds_still_tells_a_copy_by_its_origin
         return await fetch(self, update)
 
     async def measured(self, round_, producer, others, kept):
-        # A node that banned the copier before its update of a round arrived drops that announcement and has
-        # nothing to judge, however long the check: only checks of updates this node heard are counted.
-        heard = (round_, producer) in self._sealed
+        # A node that banned the copier drops its later announcements and no longer fetches from it: nothing to
+        # judge, however long the check. Only checks of updates heard before the ban here are counted.
+        heard = (round_, producer) in self._sealed and not self.penalize.__self__.is_banned(producer)
         gains = await measured_(self, round_, producer, others, kept)
         if producer in copiers and others and heard:
             judged.append((round_, others, sorted(gains or ())))
