@@ -112,11 +112,12 @@ class TrainingChecks:
         """Per (round, producer), its update as fetched for a check, up to KEPT_UPDATE_BYTES in all."""
         self._per_round: Counter[int] = Counter()
         self._pending: dict[int, list[tuple[str, str, str | None]]] = {}
+        """Per round not applied here yet, the proofs that arrived early: (producer, accuser, original)."""
         self._votes: dict[int, bool] = {}
         """Per round closed here, whether this node's weights were the vote's: only then is the mean it applied
         (R, by which a copy is told) the one its peers measure by."""
         self._voted: dict[int, trio.Event] = {}
-        """Per round not applied here yet, the proofs that arrived early: (producer, accuser, original)."""
+        """Per round, set once it closed here (_agreed waits on it)."""
 
     # -- what the runner tells it ----------------------------------------------------------------
 
